@@ -1,0 +1,32 @@
+"""Model hyperparameters of a Llama-3-style decoder, and the sizes derived from them."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    name: str = "tiny"
+    n_layers: int = 2
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 512
+    ffn_dim_multiplier: float | None = None
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 128
+    efficient_attn: str = "sdpa"
+    attn_bias_type: str = "causal"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)

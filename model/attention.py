@@ -1,0 +1,73 @@
+"""Grouped-query causal self-attention with rotary position embeddings.
+
+RoPE uses the rotate-half layout (pairs i and i + head_dim/2), so checkpoints map one-to-one onto
+Hugging Face's Llama weights without permuting wq/wk. Positions are explicit so context parallelism
+can pass each rank's global token positions.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.args import ModelArgs
+
+
+class RotaryEmbedding(nn.Module):
+    """No buffers: the frequencies are recomputed in fp32 so a dtype cast of the model cannot touch them."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [seq, head_dim], computed in fp32 then cast to the compute dtype."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).float()
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+    """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # "math": the plain formula, a reference that any fused kernel must match.
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.impl = args.efficient_attn
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = causal_attention(q, k, v, self.impl)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

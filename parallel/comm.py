@@ -1,0 +1,129 @@
+"""The one gateway to torch.distributed collectives, with a per-step ledger.
+
+Every collective of the framework goes through a function here, so the ledger sees all of them:
+per op and per named group, how many calls and how many bytes. The trainer resets it at the start of
+each step and writes its snapshot to metrics.jsonl as `comm`; tests assert exact counts from it.
+Bytes count the full collective buffer: the tensor for all_reduce/broadcast, the gathered output for
+all_gather, the unreduced input for reduce_scatter, the send buffer for all_to_all and p2p.
+"""
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp, Work
+
+_group_names: dict[ProcessGroup, str] = {}
+
+
+def register_group(group: ProcessGroup, name: str) -> None:
+    """Name a process group for the ledger (the mesh registers pp, dp, dp_shard, cp, tp, ...)."""
+    _group_names[group] = name
+
+
+def group_name(group: ProcessGroup | None) -> str:
+    if group is None:
+        return "world"
+    return _group_names.get(group, f"group{dist.get_process_group_ranks(group)}")
+
+
+class CommLedger:
+    """Counts and bytes per (op, group) since the last reset."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def record(self, op: str, group: ProcessGroup | None, nbytes: int) -> None:
+        entry = self._entries[(op, group_name(group))]
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def reset(self) -> None:
+        self._entries.clear()
+
+    def by_op(self) -> dict[str, dict[str, int]]:
+        """{op: {count, bytes}} summed over groups: the `comm` field of metrics.jsonl."""
+        out: dict[str, dict[str, int]] = {}
+        for (op, _), (count, nbytes) in sorted(self._entries.items()):
+            slot = out.setdefault(op, {"count": 0, "bytes": 0})
+            slot["count"] += count
+            slot["bytes"] += nbytes
+        return out
+
+    def by_group(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{group: {op: {count, bytes}}}."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (op, name), (count, nbytes) in sorted(self._entries.items()):
+            out.setdefault(name, {})[op] = {"count": count, "bytes": nbytes}
+        return out
+
+    def count(self, op: str, group: str | None = None) -> int:
+        return sum(c for (o, g), (c, _) in self._entries.items() if o == op and group in (None, g))
+
+
+LEDGER = CommLedger()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+) -> Work | None:
+    LEDGER.record("all_reduce", group, _nbytes(tensor))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
+) -> Work | None:
+    LEDGER.record("all_gather", group, _nbytes(output))
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup | None,
+    op: ReduceOp = ReduceOp.SUM,
+    async_op: bool = False,
+) -> Work | None:
+    LEDGER.record("reduce_scatter", group, _nbytes(full))
+    return dist.reduce_scatter_tensor(output, full, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
+    """src is a global rank."""
+    LEDGER.record("broadcast", group, _nbytes(tensor))
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_to_all_single(
+    output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
+) -> Work | None:
+    LEDGER.record("all_to_all", group, _nbytes(inp))
+    return dist.all_to_all_single(output, inp, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list[Work]:
+    for p2p in ops:
+        if p2p.op is dist.isend:
+            LEDGER.record("send", p2p.group, _nbytes(p2p.tensor))
+        else:
+            LEDGER.record("recv", p2p.group, _nbytes(p2p.tensor))
+    return dist.batch_isend_irecv(list(ops))
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    LEDGER.record("barrier", group, 0)
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj: object, group: ProcessGroup | None) -> list[object]:
+    """For small control messages (checksums, error strings); never for tensors."""
+    LEDGER.record("all_gather_object", group, 0)
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,128 @@
+"""World -> (pp, dp_replicate, dp_shard, cp, tp) device mesh, its named groups, and validation.
+
+tp varies fastest, then cp, dp_shard, dp_replicate, pp (Megatron order). FSDP shards over
+dp_shard x cp (CP ranks hold identical weights) and, for HSDP, all-reduces over dp_replicate.
+Every divisibility rule is checked in `ParallelDims` before any process group exists, so a bad
+layout fails with one line instead of a hang.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel import comm
+from parallel.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @classmethod
+    def from_sizes(
+        cls,
+        world_size: int,
+        model_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        dp_replicate: int = 1,
+    ) -> "ParallelDims":
+        """Derive dp_shard = world / (tp * pp * cp * dp_replicate); the names are the config keys."""
+        sizes = {
+            "model_parallel_size": model_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "context_parallel_size": context_parallel_size,
+            "dp_replicate": dp_replicate,
+        }
+        for key, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ConfigError(f"{key}={size} must be a positive integer")
+        product = model_parallel_size * pipeline_parallel_size * context_parallel_size * dp_replicate
+        if world_size % product:
+            terms = " x ".join(f"{k}={v}" for k, v in sizes.items())
+            raise ConfigError(f"world size {world_size} is not divisible by {terms} = {product}")
+        return cls(
+            world_size=world_size,
+            pp=pipeline_parallel_size,
+            dp_replicate=dp_replicate,
+            dp_shard=world_size // product,
+            cp=context_parallel_size,
+            tp=model_parallel_size,
+        )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+
+class ParallelMesh:
+    """The device mesh plus the flattened groups the framework uses, each registered by name."""
+
+    def __init__(self, dims: ParallelDims, device_type: str):
+        self.dims = dims
+        self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS)
+        self._flat = {
+            "dp": self.mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        for name in (*MESH_DIMS, *self._flat):
+            comm.register_group(self.group(name), name)
+
+    def group(self, name: str) -> ProcessGroup:
+        if name in self._flat:
+            return self._flat[name].get_group()
+        return self.mesh.get_group(name)
+
+    def rank_in(self, name: str) -> int:
+        if name in self._flat:
+            return self._flat[name].get_local_rank()
+        return self.mesh.get_local_rank(name)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in("dp")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, from torchrun's variables (a lone process is rank 0 of 1)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    torchrun: bool
+
+    @classmethod
+    def from_torchrun(cls) -> "LaunchEnv":
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            torchrun="MASTER_ADDR" in env and "MASTER_PORT" in env,
+        )
+
+
+def init_process_group(launch: LaunchEnv, device: torch.device) -> None:
+    """gloo on CPU, NCCL on CUDA; a lone process without torchrun gets an in-memory store."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=launch.rank, world_size=launch.world_size, device_id=device)
+    elif launch.torchrun:
+        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,301 @@
+"""Data pipeline: tokenizer, packed tokens, layout-independent sampler, cache, microbatches."""
+
+import json
+import random
+import shutil
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from parallel.errors import ConfigError
+from trainer.data import BatchLoader, default_corpus_files, prepare_dataset, resolve_source_files
+from trainer.sampler import GlobalBatchSampler
+from trainer.token_shards import PackedTokens, is_complete, write_packed_tokens
+from trainer.tokenizer import Tokenizer, train_tokenizer
+
+VOCAB = 320
+SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
+WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y"]
+
+
+def _write_corpus(folder: Path) -> Path:
+    """A tiny deterministic corpus in every supported format, plus a file that must be ignored."""
+    rng = random.Random(0)
+
+    def text(lines: int) -> str:
+        return "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(lines)) + "\n"
+
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text(text(60))
+    (folder / "sub" / "b.py").write_text("def f(x):\n    return x + 1\n" + text(40))
+    (folder / "c.md").write_text("# Title\n\n" + text(30))
+    docs = [{"text": text(5)}, {"text": "short doc"}, {"text": text(3)}]
+    (folder / "d.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (folder / "ignored.bin").write_bytes(b"\x00\x01")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model = tmp_path_factory.mktemp("tok") / "spm.model"
+    return Tokenizer(train_tokenizer(resolve_source_files(str(corpus)), VOCAB, model))
+
+
+@pytest.fixture(scope="module")
+def packed(corpus: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> PackedTokens:
+    out = tmp_path_factory.mktemp("packed") / "tokens"
+    write_packed_tokens(resolve_source_files(str(corpus)), tokenizer, out, progress=lambda line: None)
+    return PackedTokens(out)
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_any_text(tokenizer: Tokenizer) -> None:
+    text = "héllo  wörld 🚀 日本語\n\tindented\r\n  ∑ ≠ \x00 end"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (VOCAB, 1, 2)
+
+
+def test_tokenizer_training_is_deterministic(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+    again = train_tokenizer(resolve_source_files(str(corpus)), VOCAB, tmp_path / "again.model")
+    assert again.read_bytes() == tokenizer.model_path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.model"]  # no temp files left
+
+
+def test_tokenizer_rejects_non_model(tmp_path: Path) -> None:
+    bogus = tmp_path / "x.model"
+    bogus.write_text("not a model")
+    with pytest.raises(ConfigError, match=r"data\.tokenizer=.*not a sentencepiece model"):
+        Tokenizer(bogus)
+
+
+# --- packed tokens ---------------------------------------------------------------------------------
+
+
+def test_packed_tokens_match_direct_encoding(
+    corpus: Path, tokenizer: Tokenizer, packed: PackedTokens
+) -> None:
+    files = resolve_source_files(str(corpus))
+    assert [f.relative_to(corpus).as_posix() for f in files] == ["a.txt", "c.md", "d.jsonl", "sub/b.py"]
+    documents = [f.read_text() for f in files if f.suffix != ".jsonl"]
+    documents[2:2] = [json.loads(line)["text"] for line in (corpus / "d.jsonl").read_text().splitlines()]
+    expected = [t for doc in documents for t in [1, *tokenizer.encode(doc), 2]]
+    assert packed.num_tokens == len(expected)
+    assert packed.meta["dtype"] == "uint16" and packed.meta["num_documents"] == len(documents)
+    assert packed.meta["vocab_size"] == VOCAB and len(packed.meta["tokenizer_sha256"]) == 64
+    seq_len = 16
+    assert packed.num_sequences(seq_len) == (len(expected) - 1) // seq_len
+    for index in (0, 3, packed.num_sequences(seq_len) - 1):
+        window = packed.sequence(index, seq_len)
+        assert window.dtype == np.int64
+        assert window.tolist() == expected[index * seq_len : index * seq_len + seq_len + 1]
+
+
+def test_packed_tokens_too_short_names_seq_len(packed: PackedTokens) -> None:
+    with pytest.raises(ConfigError, match="seq_len="):
+        packed.num_sequences(packed.num_tokens)
+
+
+def test_failed_write_leaves_nothing(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"no_text": 1}\n')
+    with pytest.raises(ConfigError, match=r"data.source=.*bad.jsonl:2"):
+        write_packed_tokens([bad], tokenizer, tmp_path / "out" / "tokens", progress=lambda line: None)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+# --- sampler ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_global_batch_is_layout_independent(dp_size: int) -> None:
+    sampler = GlobalBatchSampler(num_sequences=103, global_batch_size=8, seed=7)
+    for step in range(30):
+        slices = [sampler.rank_indices(step, rank, dp_size) for rank in range(dp_size)]
+        assert np.concatenate(slices).tolist() == sampler.global_indices(step).tolist()
+
+
+def test_sampler_epochs_reshuffle_deterministically() -> None:
+    sampler = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=3)
+    assert sampler.steps_per_epoch == 6  # 2 tail sequences dropped per epoch
+    epoch0 = np.concatenate([sampler.global_indices(s) for s in range(6)])
+    epoch1 = np.concatenate([sampler.global_indices(s) for s in range(6, 12)])
+    assert len(set(epoch0.tolist())) == 48 and len(set(epoch1.tolist())) == 48  # no repeats in an epoch
+    assert epoch0.tolist() != epoch1.tolist()
+    assert sampler.global_indices(0).tolist() != sampler.global_indices(1).tolist()
+    fresh = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=3)
+    assert fresh.global_indices(7).tolist() == sampler.global_indices(7).tolist()
+    other_seed = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=4)
+    assert other_seed.global_indices(0).tolist() != sampler.global_indices(0).tolist()
+
+
+def test_sampler_resumes_from_state_dict() -> None:
+    sampler = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1)
+    for _ in range(5):
+        sampler.advance()
+    resumed = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert resumed.next_step == 5
+    for step in range(5, 25):
+        assert resumed.global_indices(step).tolist() == sampler.global_indices(step).tolist()
+
+
+@pytest.mark.parametrize(
+    ("field", "match"),
+    [("seed", "seed"), ("num_sequences", "data.source or seq_len"), ("global_batch_size", "batch_size")],
+)
+def test_sampler_refuses_changed_state(field: str, match: str) -> None:
+    state = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).state_dict()
+    state[field] += 2
+    with pytest.raises(ConfigError, match=match):
+        GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).load_state_dict(state)
+
+
+def test_sampler_errors_name_batch_size() -> None:
+    with pytest.raises(ConfigError, match="batch_size"):
+        GlobalBatchSampler(num_sequences=4, global_batch_size=8, seed=0)
+    with pytest.raises(ConfigError, match="batch_size"):
+        GlobalBatchSampler(num_sequences=40, global_batch_size=6, seed=0).rank_indices(0, 0, 4)
+
+
+# --- batch loader ----------------------------------------------------------------------------------
+
+
+def test_batch_loader_shapes_and_shift(packed: PackedTokens) -> None:
+    seq_len, dp_size = 8, 2
+    sampler = GlobalBatchSampler(packed.num_sequences(seq_len), global_batch_size=8, seed=0)
+    loader = BatchLoader(packed, sampler, seq_len, dp_rank=1, dp_size=dp_size, microbatch_size=2)
+    microbatches = loader.batch(step=3)
+    assert len(microbatches) == loader.num_microbatches == 2
+    rank_indices = sampler.rank_indices(3, 1, dp_size).tolist()
+    rows = [row for inputs, targets in microbatches for row in zip(inputs, targets, strict=True)]
+    for index, (inputs, targets) in zip(rank_indices, rows, strict=True):
+        window = packed.sequence(index, seq_len)
+        assert inputs.tolist() == window[:-1].tolist() and targets.tolist() == window[1:].tolist()
+    for inputs, targets in microbatches:
+        assert inputs.shape == targets.shape == (2, seq_len) and inputs.dtype == targets.dtype == torch.int64
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_batch_loader_microbatch_must_divide(packed: PackedTokens) -> None:
+    sampler = GlobalBatchSampler(packed.num_sequences(8), global_batch_size=8, seed=0)
+    with pytest.raises(ConfigError, match="microbatch_size=3"):
+        BatchLoader(packed, sampler, 8, dp_rank=0, dp_size=2, microbatch_size=3)
+
+
+# --- prepare_dataset -------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_sources(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data.source=/no/such/dir does not exist$"):
+        prepare_dataset("/no/such/dir", None, VOCAB, tmp_path, True, print)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.bin").write_bytes(b"0")
+    with pytest.raises(ConfigError, match=r"data\.source=.*empty contains no"):
+        resolve_source_files(str(tmp_path / "empty"))
+
+
+def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"model.vocab_size=512 .*data.tokenizer=.*\(vocab size {VOCAB}\)"):
+        prepare_dataset(str(corpus), tokenizer.model_path, 512, tmp_path, True, print)
+    with pytest.raises(ConfigError, match=r"data.tokenizer=/no/spm.model does not exist"):
+        prepare_dataset(str(corpus), "/no/spm.model", VOCAB, tmp_path, True, print)
+    tok, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
+    assert tok.model_path == tokenizer.model_path and tokens.meta["tokenizer_sha256"]
+    assert not list(tmp_path.glob("tokenizer-*"))  # a given tokenizer is not retrained
+
+
+def test_cache_is_built_once_and_half_written_folders_never_count(corpus: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    _, first = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
+    assert any("training a BPE tokenizer" in line for line in lines)
+    lines.clear()
+    start = time.monotonic()
+    _, cached = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
+    assert time.monotonic() - start < 1.0
+    assert len(lines) == 1 and "cached" in lines[0] and cached.path == first.path
+    # What a killed writer (temp folder) or an interrupted copy (no meta.json) leaves behind.
+    expected = (first.path / "tokens.bin").read_bytes()
+    shutil.rmtree(first.path)
+    for leftover in (tmp_path / f".{first.path.name}.tmpabc", first.path):
+        leftover.mkdir()
+        (leftover / "tokens.bin").write_bytes(expected[:10])
+        assert not is_complete(leftover)
+    lines.clear()
+    _, rebuilt = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
+    assert not any("training" in line for line in lines)  # the finished tokenizer is reused
+    assert (rebuilt.path / "tokens.bin").read_bytes() == expected
+
+
+def test_waiting_rank_gets_main_rank_result(corpus: Path, tmp_path: Path) -> None:
+    waiter_logs: list[str] = []
+    waiter = _start_waiter(str(corpus), tmp_path, waiter_logs)
+    _, main_tokens = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lambda line: None)
+    waiter.join(timeout=30)
+    assert waiter.result[1].path == main_tokens.path
+    assert waiter_logs == []
+
+
+def test_waiting_rank_fails_with_main_rank_error_or_timeout(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("oops\n")
+    waiter = _start_waiter(str(bad), tmp_path / "cache", [])
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1 is not valid JSON"):
+        prepare_dataset(str(bad), None, VOCAB, tmp_path / "cache", True, lambda line: None)
+    waiter.join(timeout=30)
+    assert isinstance(waiter.error, ConfigError)
+    assert "failed on the main rank: " in str(waiter.error) and "bad.jsonl:1" in str(waiter.error)
+    bad.write_text('{"text": "valid, but no main rank builds it"}\n')
+    with pytest.raises(TimeoutError, match="did not finish"):
+        prepare_dataset(str(bad), None, VOCAB, tmp_path / "cache", False, print, timeout_s=0.2)
+
+
+class _Waiter(threading.Thread):
+    """A non-main rank, simulated by a thread sharing the cache folder."""
+
+    def __init__(self, source: str, cache: Path, logs: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.source, self.cache, self.logs = source, cache, logs
+        self.result: tuple | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = prepare_dataset(self.source, None, VOCAB, self.cache, False, self.logs.append)
+        except Exception as exc:  # inspected by the test
+            self.error = exc
+
+
+def _start_waiter(source: str, cache: Path, logs: list[str]) -> _Waiter:
+    waiter = _Waiter(source, cache, logs)
+    waiter.start()
+    time.sleep(0.1)  # let it start polling before the main rank begins
+    return waiter
+
+
+def test_default_corpus_end_to_end() -> None:
+    """The built-in default data (the stdlib's source) through the shared cache, vocab 512."""
+    files = default_corpus_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert not any({"test", "tests", "site-packages"} & set(f.relative_to(stdlib).parts) for f in files)
+    tokenizer, tokens = prepare_dataset(None, None, 512, SHARED_CACHE, True, lambda line: None)
+    assert tokenizer.vocab_size == tokens.vocab_size == 512
+    assert tokens.num_tokens > 1_000_000 and tokens.meta["num_documents"] == len(files)
+    sampler = GlobalBatchSampler(tokens.num_sequences(128), global_batch_size=8, seed=0)
+    inputs, _ = BatchLoader(tokens, sampler, 128, 0, 1, 4).batch(0)[0]
+    assert inputs.shape == (4, 128) and int(inputs.max()) < 512
+    assert tokenizer.decode(inputs[0].tolist())  # real text comes back out

@@ -1,0 +1,186 @@
+"""Typed training config built from hydra's DictConfig, and every static validation rule.
+
+Rules that need no process group run here, before anything distributed starts, and each failure is
+one ConfigError line naming the key and the constraint. Keys of capabilities that are not built yet
+are rejected when set away from their defaults, never silently ignored.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from model.args import ModelArgs
+from parallel.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layers: int = 2
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 512
+    ffn_dim_multiplier: float | None = None
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    sequence_parallel: bool = False
+    layer_ckpt: str = "none"
+    efficient_attn: str = "sdpa"
+    attn_bias_type: str = "causal"
+    use_te_layers: bool = False
+    use_fp8: bool = False
+    fp8_wgrad: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: str | None = "stdlib"
+    tokenizer: str | None = None
+    cache_dir: str = ".cache/data"
+    prepare_timeout_s: float = 3600.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    clip_grad_norm: float = 1.0
+    use_fp32_copy_optim: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    freq: int = 0
+    keep: int = 0
+    verify_checksums: bool = True
+
+
+@dataclass
+class TrainConfig:
+    dump_dir: str = "dump/default"
+    steps: int = 100
+    seed: int = 0
+    batch_size: int = 4
+    microbatch_size: int = 1
+    seq_len: int = 128
+    model_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    pipeline_schedule: str = "1f1b"
+    context_parallel_comm: str = "all_gather"
+    compute_dtype: str | None = None
+    dp_replicate: int = 1
+    reshard_after_forward: bool = True
+    optimize_backward_concat: bool = False
+    enable_deterministic_training: bool = False
+    log_freq: int = 10
+    log_all_steps: bool = False
+    profile_freq: int = 0
+    dump_profile_traces: bool = False
+    profile_with_stack: bool = False
+    mem_snapshot_stop_step: int | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batch_size // self.microbatch_size
+
+    def model_args(self) -> ModelArgs:
+        m = self.model
+        return ModelArgs(
+            name=m.name, n_layers=m.n_layers, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            vocab_size=m.vocab_size, ffn_dim_multiplier=m.ffn_dim_multiplier, multiple_of=m.multiple_of,
+            norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_seq_len=self.seq_len,
+            efficient_attn=m.efficient_attn, attn_bias_type=m.attn_bias_type,
+        )
+
+
+ENUMS = {
+    "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "context_parallel_comm": ("all_gather", "ring"),
+    "compute_dtype": (None, "bf16", "fp32"),
+    "model.layer_ckpt": ("none", "full", "selective"),
+    "model.efficient_attn": ("sdpa", "math"),
+    "model.attn_bias_type": ("causal", "block_causal"),
+}
+
+# Capabilities not built yet: (key, the value that is supported today).
+NOT_SUPPORTED_YET = (
+    ("model_parallel_size", 1),
+    ("pipeline_parallel_size", 1),
+    ("context_parallel_size", 1),
+    ("num_layers_per_virtual_pipeline_stage", None),
+    ("dp_replicate", 1),
+    ("reshard_after_forward", True),
+    ("optimize_backward_concat", False),
+    ("profile_freq", 0),
+    ("dump_profile_traces", False),
+    ("profile_with_stack", False),
+    ("mem_snapshot_stop_step", None),
+    ("model.sequence_parallel", False),
+    ("model.layer_ckpt", "none"),
+    ("model.attn_bias_type", "causal"),
+    ("model.use_te_layers", False),
+    ("model.use_fp8", False),
+    ("model.fp8_wgrad", True),
+)
+
+
+def from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from a plain dict (hydra's resolved config), checking keys and types."""
+    return _build(TrainConfig, raw, prefix="")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key} is not a known config key")
+    values = {}
+    for name in known & raw.keys():
+        hint, value = hints[name], raw[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name} must be a group of keys, got {value!r}")
+            values[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(f"{prefix}{name}", hint, value)
+    return cls(**values)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    allowed = get_args(hint) if get_origin(hint) in (Union, type(int | None)) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{key} must not be null")
+    for typ in allowed:
+        if typ is bool and isinstance(value, bool):
+            return value
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is str and isinstance(value, str):
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{key}={value!r} must be {names}")
+
+
+def get_key(cfg: TrainConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,242 @@
+"""The data facade the trainer uses: source files -> cached tokenizer + packed tokens -> microbatches.
+
+Preparation (tokenizer training, tokenizing) runs once, on the main rank, into a cache keyed by the
+inputs; other ranks wait for it by polling the filesystem rather than in a collective, so a long first
+preparation can never trip a collective timeout. With no `data.source` the trainer uses the Python
+standard library's own source: real text that is on every machine, with no download.
+"""
+
+import hashlib
+import json
+import os
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from parallel.errors import ConfigError
+from trainer.sampler import GlobalBatchSampler, per_rank_batch_size
+from trainer.token_shards import (
+    PackedTokens,
+    file_sha256,
+    is_complete,
+    sources_fingerprint,
+    write_packed_tokens,
+)
+from trainer.tokenizer import Tokenizer, train_tokenizer, trainer_settings_fingerprint
+
+SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
+# Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
+EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+# Bump when the cache layout or packing format changes, so old caches are not reused.
+CACHE_VERSION = 1
+# A waiting rank trusts an error marker older than itself only once it outlives this grace period:
+# a live main rank deletes stale markers as it starts, a main rank that already failed does not.
+STALE_MARKER_GRACE_S = 10.0
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's .py files (no site-packages, no test suites), sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        # Pruned during the walk: site-packages alone can be far larger than the stdlib.
+        subfolders[:] = [name for name in subfolders if name not in EXCLUDED_STDLIB_DIRS]
+        files.extend(Path(folder) / name for name in names if name.endswith(".py"))
+    return sorted(files, key=lambda path: str(path.relative_to(root)))
+
+
+def resolve_source_files(source: str | None) -> list[Path]:
+    """`data.source` -> the sorted list of files to train on (None or "stdlib": the default corpus)."""
+    if source is None or source == "stdlib":
+        return default_corpus_files()
+    root = Path(source).expanduser()
+    if not root.exists():
+        raise ConfigError(f"data.source={source} does not exist")
+    if root.is_file():
+        return [root]
+    files = [
+        path
+        for path in root.rglob("*")
+        if path.suffix in SOURCE_SUFFIXES and path.is_file() and not _is_hidden(path.relative_to(root))
+    ]
+    if not files:
+        raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
+    return sorted(files, key=lambda path: str(path.relative_to(root)))
+
+
+def _is_hidden(relative: Path) -> bool:
+    # Hidden folders (.git, .venv, .cache) hold tooling, not training text.
+    return any(part.startswith(".") for part in relative.parts)
+
+
+class _CachePaths:
+    """Where one (sources, vocab size, tokenizer) combination lives in the cache."""
+
+    def __init__(self, cache_dir: Path, key: str) -> None:
+        self.tokenizer = Path(cache_dir) / f"tokenizer-{key}" / "spm.model"
+        self.tokens = Path(cache_dir) / f"tokens-{key}"
+        self.error = Path(cache_dir) / f"error-{key}.json"
+
+    def complete(self, tokenizer_given: bool) -> bool:
+        return is_complete(self.tokens) and (tokenizer_given or self.tokenizer.is_file())
+
+
+def _cache_key(files: list[Path], vocab_size: int, tokenizer: Tokenizer | None) -> str:
+    # A given tokenizer is keyed by content, so replacing the file at the same path rebuilds.
+    recipe = file_sha256(tokenizer.model_path) if tokenizer else trainer_settings_fingerprint()
+    parts = [CACHE_VERSION, sources_fingerprint(files), vocab_size, recipe]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) -> Tokenizer | None:
+    if tokenizer_path is None:
+        return None
+    if not Path(tokenizer_path).expanduser().is_file():
+        raise ConfigError(f"data.tokenizer={tokenizer_path} does not exist")
+    tokenizer = Tokenizer(Path(tokenizer_path).expanduser())
+    if tokenizer.vocab_size != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} does not match data.tokenizer={tokenizer_path} "
+            f"(vocab size {tokenizer.vocab_size})"
+        )
+    return tokenizer
+
+
+def prepare_dataset(
+    source: str | None,
+    tokenizer_path: str | Path | None,
+    vocab_size: int,
+    cache_dir: Path,
+    is_main_rank: bool,
+    log: Callable[[str], None],
+    timeout_s: float = 3600,
+) -> tuple[Tokenizer, PackedTokens]:
+    """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
+
+    Every rank validates the source and a given tokenizer first, so bad input fails on all ranks at
+    once. Non-main ranks then wait (silently) for the main rank's cache or its error marker.
+    """
+    files = resolve_source_files(source)
+    given = _load_given_tokenizer(tokenizer_path, vocab_size)
+    paths = _CachePaths(Path(cache_dir), _cache_key(files, vocab_size, given))
+    if is_main_rank:
+        # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
+        paths.error.unlink(missing_ok=True)
+    if paths.complete(given is not None):
+        if is_main_rank:
+            log(f"data: cached {paths.tokens}")
+    elif is_main_rank:
+        _build_or_mark_error(files, vocab_size, given, paths, log)
+    else:
+        _wait_for_main_rank(paths, given is not None, timeout_s)
+    tokenizer = given or Tokenizer(paths.tokenizer)
+    return tokenizer, PackedTokens(paths.tokens)
+
+
+def _build_or_mark_error(
+    files: list[Path],
+    vocab_size: int,
+    given: Tokenizer | None,
+    paths: _CachePaths,
+    log: Callable[[str], None],
+) -> None:
+    try:
+        _build(files, vocab_size, given, paths, log)
+    except Exception as exc:
+        _write_error_marker(paths.error, exc)
+        raise
+
+
+def _build(
+    files: list[Path],
+    vocab_size: int,
+    given: Tokenizer | None,
+    paths: _CachePaths,
+    log: Callable[[str], None],
+) -> None:
+    log(f"data: preparing {len(files)} files into {paths.tokens}")
+    tokenizer = given
+    if tokenizer is None:
+        if not paths.tokenizer.is_file():
+            start = time.monotonic()
+            log(f"data: training a BPE tokenizer, vocab_size={vocab_size}")
+            train_tokenizer(files, vocab_size, paths.tokenizer)
+            log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
+        tokenizer = Tokenizer(paths.tokenizer)
+    start = time.monotonic()
+    write_packed_tokens(files, tokenizer, paths.tokens, progress=log)
+    log(f"data: tokenized in {time.monotonic() - start:.1f} s")
+
+
+def _write_error_marker(marker: Path, exc: Exception) -> None:
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f".{marker.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"type": type(exc).__name__, "message": str(exc).strip()}))
+    os.replace(tmp, marker)
+
+
+def _wait_for_main_rank(paths: _CachePaths, tokenizer_given: bool, timeout_s: float) -> None:
+    start_wall, deadline = time.time(), time.monotonic() + timeout_s
+    interval = 0.05
+    while not paths.complete(tokenizer_given):
+        _raise_if_main_rank_failed(paths.error, start_wall)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"data: the main rank did not finish {paths.tokens} within {timeout_s:.0f} s "
+                "(is the cache folder shared by all ranks?)"
+            )
+        time.sleep(interval)
+        interval = min(interval * 1.5, 2.0)
+
+
+def _raise_if_main_rank_failed(marker: Path, waiting_since: float) -> None:
+    try:
+        written_at = marker.stat().st_mtime
+        record = json.loads(marker.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return
+    if written_at < waiting_since and time.time() - waiting_since < STALE_MARKER_GRACE_S:
+        return
+    message = f"data preparation failed on the main rank: {record['message']}"
+    raise ConfigError(message) if record["type"] == "ConfigError" else RuntimeError(message)
+
+
+class BatchLoader:
+    """Turns a step's sequence indices for this data-parallel rank into (inputs, targets) microbatches."""
+
+    def __init__(
+        self,
+        tokens: PackedTokens,
+        sampler: GlobalBatchSampler,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+        microbatch_size: int,
+    ) -> None:
+        self.per_rank_batch = per_rank_batch_size(sampler.global_batch_size, dp_size)
+        if microbatch_size < 1 or self.per_rank_batch % microbatch_size:
+            raise ConfigError(
+                f"microbatch_size={microbatch_size} must divide batch_size={self.per_rank_batch}"
+            )
+        if tokens.num_sequences(seq_len) != sampler.num_sequences:
+            raise ValueError("the sampler was built for a different seq_len or data set")
+        self.tokens, self.sampler, self.seq_len = tokens, sampler, seq_len
+        self.dp_rank, self.dp_size, self.microbatch_size = dp_rank, dp_size, microbatch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.per_rank_batch // self.microbatch_size
+
+    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches of step `step` (0-based): [microbatch_size, seq_len] int64 each."""
+        indices = self.sampler.rank_indices(step, self.dp_rank, self.dp_size)
+        windows = torch.from_numpy(np.stack([self.tokens.sequence(int(i), self.seq_len) for i in indices]))
+        size = self.microbatch_size
+        return [
+            (windows[i : i + size, :-1].contiguous(), windows[i : i + size, 1:].contiguous())
+            for i in range(0, len(indices), size)
+        ]

@@ -1,0 +1,26 @@
+"""Deterministic-training switches: seeds, deterministic kernels, and the CUDA/NCCL settings.
+
+The environment variables are set here, before the process group and any CUDA handle exist, because
+cuBLAS and NCCL read them at initialization.
+"""
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def enable_deterministic(device_type: str) -> None:
+    if device_type == "cuda":
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        os.environ["NCCL_ALGO"] = "Ring"
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)

@@ -1,0 +1,84 @@
+"""The optimizer-step loop: microbatches with gradient accumulation, one gradient sync, one step.
+
+Each microbatch's loss is its token-loss sum divided by the token count of the whole global batch,
+so accumulated and data-parallel-summed gradients are those of the global mean loss, and the logged
+loss is the same number for every layout.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel import comm
+from parallel.data_parallel import all_reduce_gradients
+from parallel.mesh import ParallelMesh
+from trainer.config import TrainConfig
+from trainer.data import BatchLoader
+from trainer.metrics import StepMetrics, peak_memory_gib
+from trainer.optimizer import MasterAdamW, clip_grad_norm, lr_at
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over all tokens, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    mesh: ParallelMesh
+    model: nn.Module
+    optimizer: MasterAdamW
+    loader: BatchLoader
+    device: torch.device
+    flops_per_token: float
+    peak_flops: float | None
+
+    @property
+    def global_tokens(self) -> int:
+        return self.cfg.batch_size * self.mesh.dims.dp * self.cfg.seq_len
+
+    def train_step(self, step: int) -> StepMetrics:
+        """Run optimizer step `step` (1-based) and return its metrics."""
+        start = time.perf_counter()
+        comm.LEDGER.reset()
+        loss_sum = self._forward_backward(step)
+        all_reduce_gradients(self.optimizer.grads(), self.mesh.group("dp"))
+        grad_norm = clip_grad_norm(self.optimizer.grads(), self.cfg.optim.clip_grad_norm)
+        lr = lr_at(step, self.cfg.steps, self.cfg.optim)
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        comm.all_reduce(loss_sum, self.mesh.group("dp"))
+        loss = loss_sum.item() / self.global_tokens
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        return self._metrics(step, loss, grad_norm, lr, elapsed)
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in self.loader.batch(step - 1):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            mb_loss = token_loss_sum(self.model(inputs), targets)
+            (mb_loss / self.global_tokens).backward()
+            loss_sum += mb_loss.detach().double()
+        return loss_sum
+
+    def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float) -> StepMetrics:
+        tokens_per_s = self.global_tokens / elapsed
+        flops_per_device = self.flops_per_token * tokens_per_s / self.mesh.dims.world_size
+        return StepMetrics(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens_per_s=tokens_per_s,
+            step_time_s=elapsed,
+            tflops=flops_per_device / 1e12,
+            mfu=None if self.peak_flops is None else flops_per_device / self.peak_flops,
+            mem_peak_gib=peak_memory_gib(self.device),
+            comm=comm.LEDGER.by_op(),
+        )

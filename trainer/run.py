@@ -1,0 +1,116 @@
+"""Build everything from a validated config and run training: the body of train.py."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model.init import init_weights
+from model.transformer import Transformer
+from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
+from trainer.config import TrainConfig
+from trainer.data import BatchLoader, prepare_dataset
+from trainer.determinism import enable_deterministic, seed_everything
+from trainer.flops import device_peak_flops, training_flops_per_token
+from trainer.loop import Trainer
+from trainer.metrics import MetricsLog
+from trainer.optimizer import MasterAdamW
+from trainer.sampler import GlobalBatchSampler
+from trainer.state import apply_loaded, checkpoint_state, load_template
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def select_device(launch: LaunchEnv) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+        return torch.device("cuda", launch.local_rank)
+    return torch.device("cpu")
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    name = cfg.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return DTYPES[name]
+
+
+def build_model(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+    args = cfg.model_args()
+    model = Transformer(args)
+    init_weights(model, args, cfg.seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def log0(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
+    """Train with a validated config (trainer.validate.validate gave `dims`)."""
+    device = select_device(launch)
+    if cfg.enable_deterministic_training:
+        enable_deterministic(device.type)
+    seed_everything(cfg.seed)
+    init_process_group(launch, device)
+    try:
+        _train(cfg, launch, dims, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device) -> None:
+    mesh = ParallelMesh(dims, device.type)
+    dump_dir = Path(cfg.dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: log0(launch.rank, msg)  # noqa: E731
+    tokenizer, tokens = prepare_dataset(
+        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
+        is_main_rank=launch.rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
+    )
+    sampler = GlobalBatchSampler(tokens.num_sequences(cfg.seq_len), cfg.batch_size * dims.dp, cfg.seed)
+    loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dims.dp, cfg.microbatch_size)
+    model = build_model(cfg, device, compute_dtype(cfg, device))
+    optimizer = MasterAdamW(model, cfg.optim)
+    world = dist.group.WORLD
+    ckpt_root = dump_dir / "checkpoints"
+    start_step = _resume(cfg, optimizer, ckpt_root, launch, world, log)
+    trainer = Trainer(
+        cfg, mesh, model, optimizer, loader, device,
+        flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
+        peak_flops=device_peak_flops(device),
+    )
+    metrics = MetricsLog(dump_dir, is_writer=launch.rank == 0, total_steps=cfg.steps)
+    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": dump_dir / "train_config.json"}
+    if launch.rank == 0:
+        extra_files["train_config.json"].write_text(_config_json(cfg))
+    for step in range(start_step + 1, cfg.steps + 1):
+        m = trainer.train_step(step)
+        if cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
+            metrics.log(m)
+        if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:
+            path = save_checkpoint(ckpt_root, step, checkpoint_state(optimizer, step, launch.rank), world,
+                                   launch.rank, extra_files)
+            if launch.rank == 0:
+                prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
+            log(f"saved checkpoint {path}")
+
+
+def _resume(cfg: TrainConfig, optimizer: MasterAdamW, root: Path, launch: LaunchEnv, group, log) -> int:
+    path = latest_checkpoint(root)
+    if path is None:
+        return 0
+    verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
+    state = load_template(optimizer, launch.rank, path)
+    load_checkpoint(path, state, group)
+    step = apply_loaded(optimizer, state, launch.rank)
+    log(f"resumed from {path} (step {step})")
+    return step
+
+
+def _config_json(cfg: TrainConfig) -> str:
+    import dataclasses
+    import json
+
+    return json.dumps(dataclasses.asdict(cfg), indent=1)

@@ -1,0 +1,105 @@
+"""Which sequences each optimizer step trains on: a pure function of (step, seed, sizes).
+
+The global batch of step s is chosen without looking at the parallel layout, and each data-parallel
+rank takes a contiguous slice of it. So every layout (any tp/pp/cp/dp) with the same global batch size
+trains on the same set of sequences per step, which makes losses comparable across layouts, and
+resuming only needs the step number.
+"""
+
+import numpy as np
+
+from parallel.errors import ConfigError
+
+
+def epoch_permutation(num_sequences: int, seed: int, epoch: int) -> np.ndarray:
+    """A permutation of range(num_sequences) that is stable across numpy versions.
+
+    Generator.permutation may change between numpy releases; the PCG64 bit stream may not. So the
+    permutation is the stable argsort of raw 64-bit draws seeded by (seed, epoch).
+    """
+    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_sequences)
+    return np.argsort(keys, kind="stable")
+
+
+class GlobalBatchSampler:
+    """Epoch-wise reshuffled global batches of sequence indices; drops each epoch's ragged tail."""
+
+    def __init__(self, num_sequences: int, global_batch_size: int, seed: int) -> None:
+        if global_batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 (global batch size is {global_batch_size})")
+        if global_batch_size > num_sequences:
+            raise ConfigError(
+                f"batch_size: global batch of {global_batch_size} sequences exceeds the "
+                f"{num_sequences} sequences in the data (lower batch_size or seq_len, or add data)"
+            )
+        if seed < 0:
+            raise ConfigError(f"seed={seed} must be >= 0")
+        self.num_sequences = num_sequences
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.steps_per_epoch = num_sequences // global_batch_size
+        self.next_step = 0
+        # One epoch's permutation is reused by all its steps; recomputing it per step would be O(N).
+        self._cached_epoch = -1
+        self._cached_permutation = np.empty(0, dtype=np.int64)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sequence indices of optimizer step `step` (0-based), in global-batch order."""
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.global_batch_size
+        return self._permutation(epoch)[start : start + self.global_batch_size].copy()
+
+    def rank_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
+        """The contiguous slice of step `step`'s global batch that data-parallel rank `dp_rank` trains on."""
+        per_rank = per_rank_batch_size(self.global_batch_size, dp_size)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
+        return self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+
+    def advance(self) -> None:
+        """Marks `next_step` as consumed; called once per completed optimizer step."""
+        self.next_step += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "next_step": self.next_step,
+            "seed": self.seed,
+            "num_sequences": self.num_sequences,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resumes at `state["next_step"]`; refuses state from a different seed, data or batch size."""
+        for key, hint in _RESUME_HINTS.items():
+            if int(state[key]) != getattr(self, key):
+                raise ConfigError(
+                    f"{hint}: the checkpoint was written with {key}={state[key]}, "
+                    f"now {key}={getattr(self, key)}; resuming would change the data order"
+                )
+        self.next_step = int(state["next_step"])
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._cached_epoch:
+            self._cached_permutation = epoch_permutation(self.num_sequences, self.seed, epoch)
+            self._cached_epoch = epoch
+        return self._cached_permutation
+
+
+# Which user-facing config key changed when a sampler field no longer matches the checkpoint.
+_RESUME_HINTS = {
+    "seed": "seed changed",
+    "num_sequences": "data.source or seq_len changed",
+    "global_batch_size": "batch_size (or the data-parallel size) changed",
+}
+
+
+def per_rank_batch_size(global_batch_size: int, dp_size: int) -> int:
+    """Sequences per data-parallel rank; the global batch must split evenly."""
+    if dp_size < 1 or global_batch_size % dp_size:
+        raise ConfigError(
+            f"batch_size: global batch of {global_batch_size} sequences is not divisible by "
+            f"the data-parallel size {dp_size}"
+        )
+    return global_batch_size // dp_size

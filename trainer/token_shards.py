@@ -1,0 +1,228 @@
+"""Packed token storage: one flat memory-mapped binary of `bos doc eos` runs, plus meta.json.
+
+Tokenizing a corpus is slow and training reads random fixed-length windows of it, so the corpus is
+tokenized once into a flat array that every rank memory-maps (no copies, no per-rank RAM). The folder
+is written under a temporary name and renamed into place, so a folder with `meta.json` under the
+final name is always complete: a killed writer leaves only a temp folder that nothing reads.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from parallel.errors import ConfigError
+from trainer.tokenizer import Tokenizer, iter_documents
+
+TOKENS_FILE = "tokens.bin"
+META_FILE = "meta.json"
+# Characters per sentencepiece batch call: big enough to amortize the call, small enough for RAM.
+BATCH_CHARS = 4 << 20
+PROGRESS_STEP = 0.05
+PROGRESS_MIN_INTERVAL_S = 1.0
+
+
+def sources_fingerprint(text_files: list[Path]) -> str:
+    """Cheap content-independent fingerprint: absolute path, size and mtime of every file."""
+    digest = hashlib.sha256()
+    for path in text_files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def is_complete(out_dir: Path) -> bool:
+    """A packed folder exists under its final name only once fully written (see module doc)."""
+    return (Path(out_dir) / META_FILE).is_file()
+
+
+class _Progress:
+    """Throttled progress lines: at most one per PROGRESS_STEP of the input and per second."""
+
+    def __init__(self, total_files: int, total_bytes: int, report: Callable[[str], None]) -> None:
+        self.total_files, self.total_bytes, self._report = total_files, max(total_bytes, 1), report
+        self.files = self.bytes = self.tokens = 0
+        self._start = self._last_time = time.monotonic()
+        self._next_fraction = PROGRESS_STEP
+
+    def update(self, files: int, text_bytes: int, tokens: int) -> None:
+        self.files += files
+        self.bytes += text_bytes
+        self.tokens += tokens
+        fraction = self.bytes / self.total_bytes
+        now = time.monotonic()
+        if fraction >= self._next_fraction and now - self._last_time >= PROGRESS_MIN_INTERVAL_S:
+            self._next_fraction = fraction + PROGRESS_STEP
+            self._last_time = now
+            self._emit(min(fraction, 0.99))
+
+    def finish(self) -> None:
+        self._emit(1.0)
+
+    def _emit(self, fraction: float) -> None:
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self._report(
+            f"data: tokenized {self.files}/{self.total_files} files ({fraction:.0%}), "
+            f"{self.tokens / 1e6:.2f}M tokens, {self.bytes / 1e6 / elapsed:.1f} MB/s"
+        )
+
+
+class _Packer:
+    """Batches documents, encodes them together and appends `bos ids eos` to the open file."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, out: BinaryIO, dtype: np.dtype, progress: _Progress, num_threads: int
+    ) -> None:
+        self._tokenizer, self._out, self._dtype = tokenizer, out, dtype
+        self._progress, self._num_threads = progress, num_threads
+        self._pending: list[str] = []
+        self._pending_chars = self._pending_files = 0
+        self.num_tokens = self.num_documents = 0
+
+    def add(self, document: str) -> None:
+        self._pending.append(document)
+        self._pending_chars += len(document)
+        if self._pending_chars >= BATCH_CHARS:
+            self.flush()
+
+    def end_file(self) -> None:
+        self._pending_files += 1
+
+    def flush(self) -> None:
+        ids = self._tokenizer.encode_batch(self._pending, self._num_threads) if self._pending else []
+        bos, eos = self._tokenizer.bos_id, self._tokenizer.eos_id
+        flat: list[int] = []
+        for doc_ids in ids:
+            flat.append(bos)
+            flat.extend(doc_ids)
+            flat.append(eos)
+        self._out.write(np.asarray(flat, dtype=self._dtype).tobytes())
+        text_bytes = sum(len(doc.encode("utf-8")) for doc in self._pending)
+        self.num_tokens += len(flat)
+        self.num_documents += len(self._pending)
+        self._progress.update(self._pending_files, text_bytes, len(flat))
+        self._pending, self._pending_chars, self._pending_files = [], 0, 0
+
+
+def write_packed_tokens(
+    text_files: list[Path],
+    tokenizer: Tokenizer,
+    out_dir: Path,
+    progress: Callable[[str], None],
+    num_threads: int = 2,
+) -> Path:
+    """Tokenizes `text_files` into `out_dir` (tokens.bin + meta.json), atomically."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    try:
+        meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads)
+        (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        # mkdtemp makes the folder private; other users sharing the cache must be able to read it.
+        os.chmod(tmp_dir, 0o755)
+        _publish(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_tokens(
+    text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None], num_threads: int
+) -> dict:
+    dtype = token_dtype(tokenizer.vocab_size)
+    progress = _Progress(len(text_files), sum(p.stat().st_size for p in text_files), report)
+    with open(path, "wb") as out:
+        packer = _Packer(tokenizer, out, dtype, progress, num_threads)
+        for file_path in text_files:
+            for document in iter_documents(file_path):
+                packer.add(document)
+            packer.end_file()
+        packer.flush()
+        out.flush()
+        os.fsync(out.fileno())
+    progress.finish()
+    return {
+        "num_tokens": packer.num_tokens,
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer_path": str(tokenizer.model_path.resolve()),
+        "tokenizer_sha256": file_sha256(tokenizer.model_path),
+        "num_documents": packer.num_documents,
+        "num_files": len(text_files),
+        "sources_fingerprint": sources_fingerprint(text_files),
+    }
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    """Renames the finished folder into place; if another writer won the race, keeps theirs."""
+    if out_dir.exists() and not is_complete(out_dir):
+        # Never one of ours (we only rename complete folders into place): e.g. an interrupted copy.
+        shutil.rmtree(out_dir)
+    try:
+        os.replace(tmp_dir, out_dir)
+    except OSError:
+        if not is_complete(out_dir):
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class PackedTokens:
+    """Read-only memory map of a packed folder, cut into overlapping (seq_len + 1)-token windows."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = Path(out_dir)
+        if not is_complete(self.path):
+            raise ConfigError(f"packed tokens {self.path} are missing or incomplete (no {META_FILE})")
+        self.meta = json.loads((self.path / META_FILE).read_text())
+        self.num_tokens: int = self.meta["num_tokens"]
+        self.vocab_size: int = self.meta["vocab_size"]
+        dtype = np.dtype(self.meta["dtype"])
+        expected_bytes = self.num_tokens * dtype.itemsize
+        if (self.path / TOKENS_FILE).stat().st_size != expected_bytes:
+            raise ConfigError(
+                f"packed tokens {self.path} are corrupt: {TOKENS_FILE} is not {expected_bytes} bytes"
+            )
+        # np.memmap cannot map an empty file; an empty array behaves the same for every caller.
+        self._tokens = (
+            np.memmap(self.path / TOKENS_FILE, dtype=dtype, mode="r", shape=(self.num_tokens,))
+            if self.num_tokens
+            else np.zeros(0, dtype=dtype)
+        )
+
+    def num_sequences(self, seq_len: int) -> int:
+        """Windows of seq_len inputs + 1 shifted target; consecutive windows share one token."""
+        if seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be >= 1")
+        count = (self.num_tokens - 1) // seq_len
+        if count < 1:
+            raise ConfigError(
+                f"seq_len={seq_len} needs at least {seq_len + 1} tokens but the data has {self.num_tokens}"
+            )
+        return count
+
+    def sequence(self, index: int, seq_len: int) -> np.ndarray:
+        """Tokens [index*seq_len, index*seq_len + seq_len + 1) as int64: inputs [:-1], targets [1:]."""
+        if not 0 <= index < self.num_sequences(seq_len):
+            raise IndexError(f"sequence {index} out of range for seq_len={seq_len}")
+        start = index * seq_len
+        return np.array(self._tokens[start : start + seq_len + 1], dtype=np.int64)

@@ -1,0 +1,180 @@
+"""SentencePiece tokenizer: the wrapper the trainer uses, and deterministic BPE training.
+
+Training is deterministic (fixed settings, no input shuffling, first N lines) so that every run on the
+same corpus and vocab size gets the byte-identical model, and therefore the same token stream. Byte
+fallback plus identity normalization make encode/decode an exact round trip for any text, code
+indentation included. Document reading lives here because both training and packing must agree on
+what a document is.
+"""
+
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from parallel.errors import ConfigError
+
+BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+# 256 byte pieces + unk/bos/eos: below this sentencepiece cannot even hold the byte fallback.
+MIN_VOCAB_SIZE = 256 + 3 + 1
+# Caps tokenizer training input: enough text for a good BPE, small enough for seconds on 2 cores.
+MAX_TRAINING_LINES = 300_000
+
+
+class Tokenizer:
+    """A loaded SentencePiece model."""
+
+    def __init__(self, model_path: Path) -> None:
+        self._model_path = Path(model_path)
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(self._model_path))
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"data.tokenizer={model_path} is not a sentencepiece model") from exc
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.GetPieceSize()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.Encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 2) -> list[list[int]]:
+        """Encodes many texts in one call: far faster than a Python loop over `encode`."""
+        return self._sp.Encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.Decode(list(ids))
+
+
+def iter_documents(path: Path) -> Iterator[str]:
+    """Yields the documents of one file: each line's "text" for .jsonl, else the whole file."""
+    # Undecodable bytes in user text are replaced rather than fatal: one bad byte should not stop a run.
+    if path.suffix != ".jsonl":
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                yield _jsonl_text(line, path, line_no)
+
+
+def _jsonl_text(line: str, path: Path, line_no: int) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"data.source={path}:{line_no} is not valid JSON ({exc.msg})") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ConfigError(f'data.source={path}:{line_no} has no string "text" field')
+    return record["text"]
+
+
+# Fixed settings: changing any of them changes every trained model, so they are part of the cache key.
+_TRAINER_SETTINGS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=-1,
+    # Identity normalization, kept whitespace and no dummy prefix: decode(encode(x)) == x exactly.
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    character_coverage=0.9995,
+    # No shuffling: the first MAX_TRAINING_LINES lines, always the same ones.
+    shuffle_input_sentence=False,
+    input_sentence_size=MAX_TRAINING_LINES,
+    max_sentence_length=1 << 16,
+    minloglevel=2,
+)
+
+
+class _TrainingLines:
+    """Non-blank corpus lines in file order, capped at `max_lines` (a deterministic cap).
+
+    sentencepiece turns an exception raised inside its sentence iterator into an opaque RuntimeError,
+    so the iterator keeps the original one for `train_tokenizer` to re-raise.
+    """
+
+    def __init__(self, text_files: list[Path], max_lines: int) -> None:
+        self._text_files = text_files
+        self._max_lines = max_lines
+        self.error: Exception | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._lines()
+        except Exception as exc:  # any failure reading the corpus: re-raised by train_tokenizer
+            self.error = exc
+
+    def _lines(self) -> Iterator[str]:
+        count = 0
+        for path in self._text_files:
+            for document in iter_documents(path):
+                for line in document.splitlines():
+                    if not line.strip():
+                        continue
+                    yield line
+                    count += 1
+                    if count >= self._max_lines:
+                        return
+
+
+def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, num_threads: int = 2) -> Path:
+    """Trains a byte-fallback BPE model on `text_files` and writes it atomically to `model_path`."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (byte fallback)")
+    lines = _TrainingLines(text_files, MAX_TRAINING_LINES)
+    # In memory and without a model_prefix: the prefix would be recorded in the model, which must
+    # depend only on the corpus and the settings to be byte-identical across runs.
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.Train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            num_threads=num_threads,
+            **_TRAINER_SETTINGS,
+        )
+    except RuntimeError as exc:
+        if lines.error is not None:
+            raise lines.error from None
+        # Keep sentencepiece's human reason, drop its "INTERNAL: file.cc(744) [check] " prefix.
+        reason = str(exc).strip().splitlines()[-1].split("] ", 1)[-1]
+        message = f"model.vocab_size={vocab_size} cannot be trained on data.source: {reason}"
+        raise ConfigError(message) from exc
+    if lines.error is not None:
+        raise lines.error
+    return _write_atomically(model.getvalue(), Path(model_path))
+
+
+def _write_atomically(data: bytes, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same folder as the target so os.replace is atomic; pid keeps concurrent writers apart.
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def trainer_settings_fingerprint() -> str:
+    """A stable string of the training settings, for cache keys."""
+    return json.dumps({**_TRAINER_SETTINGS, "max_lines": MAX_TRAINING_LINES}, sort_keys=True)
