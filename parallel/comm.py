@@ -16,10 +16,17 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 
 _group_names: dict[ProcessGroup, str] = {}
 
+# torch 2.13 renamed the tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def register_group(group: ProcessGroup, name: str) -> None:
-    """Name a process group for the ledger (the mesh registers pp, dp, dp_shard, cp, tp, ...)."""
-    _group_names[group] = name
+    """Name a process group for the ledger (the mesh registers pp, dp, dp_shard, cp, tp, ...).
+
+    One group can carry several mesh names (dp_shard_cp is dp_shard when cp=1); the first name wins.
+    """
+    _group_names.setdefault(group, name)
 
 
 def group_name(group: ProcessGroup | None) -> str:
@@ -80,7 +87,7 @@ def all_gather_into_tensor(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
 ) -> Work | None:
     LEDGER.record("all_gather", group, _nbytes(output))
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -91,7 +98,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     LEDGER.record("reduce_scatter", group, _nbytes(full))
-    return dist.reduce_scatter_tensor(output, full, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:

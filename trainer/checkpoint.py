@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel import comm
@@ -167,6 +168,6 @@ def load_checkpoint(path: Path, state: dict, group: ProcessGroup) -> None:
     """Load into the tensors of `state` in place; any failure becomes one CheckpointError line."""
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
-    except Exception as e:  # DCP wraps per-rank failures; the user needs the first cause in one line
+    except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
         cause = str(e).strip().splitlines()
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {cause[-1] if cause else e!r}")

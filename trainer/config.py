@@ -50,6 +50,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 10
+    decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0
     use_fp32_copy_optim: bool = True

@@ -51,7 +51,8 @@ class Trainer:
         lr = lr_at(step, self.cfg.steps, self.cfg.optim)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        comm.all_reduce(loss_sum, self.mesh.group("dp"))
+        if self.mesh.dims.dp > 1:
+            comm.all_reduce(loss_sum, self.mesh.group("dp"))
         loss = loss_sum.item() / self.global_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -82,10 +82,12 @@ class MasterAdamW:
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """LR of 1-based `step`: linear warmup to cfg.lr, then cosine to cfg.lr * min_lr_ratio."""
+    """LR of 1-based `step`: linear warmup to cfg.lr, then cosine to cfg.lr * min_lr_ratio at step
+    cfg.decay_steps (default: the run's last step)."""
     if step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    end = cfg.decay_steps if cfg.decay_steps is not None else total_steps
+    decay_steps = max(end - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
     min_lr = cfg.lr * cfg.min_lr_ratio
     return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,87 @@
+"""Bad input exits non-zero with one clear line naming the key, never hangs, never harms a checkpoint."""
+
+import hashlib
+import shutil
+
+import pytest
+
+from tests.e2e.launch import train, train_ok
+
+FAST = ("model=tiny", "seq_len=64", "batch_size=2")
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+def assert_one_error(proc, *fragments: str) -> None:
+    assert proc.returncode != 0
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (("model_parallel_size=3",), ("model.n_heads=4", "model_parallel_size=3")),
+        (("pipeline_schedule=zigzag",), ("pipeline_schedule=zigzag", "gpipe | 1f1b | interleaved_1f1b")),
+        (("data.source=/no/such/corpus",), ("data.source=/no/such/corpus", "does not exist")),
+        (("batch_size=3", "microbatch_size=2"), ("batch_size=3", "microbatch_size=2")),
+        (("steps=many",), ("steps='many'", "int")),
+        (("model.use_fp8=true",), ("model.use_fp8", "not supported yet")),
+    ],
+)
+def test_bad_config_one_line(tmp_path, overrides, fragments):
+    dump = tmp_path / "dump"
+    proc = train(0, dump, *FAST, *overrides, cwd=tmp_path, timeout=60)
+    assert_one_error(proc, *fragments)
+    assert not (dump / "metrics.jsonl").exists()
+
+
+def test_world_size_not_divisible(tmp_path):
+    proc = train(2, tmp_path / "dump", *FAST, "dp_replicate=3", timeout=120)
+    assert_one_error(proc, "world size 2", "dp_replicate=3")
+
+
+def test_hydra_writes_nothing_outside_dump_dir(tmp_path):
+    train_ok(0, tmp_path / "dump", *FAST, "steps=1", cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("ckpt") / "dump"
+    train_ok(0, dump, *FAST, "steps=2", "checkpoint.freq=2")
+    return dump
+
+
+def _digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("damage, fragment", [("truncate", "is truncated"), ("flip", "is corrupt")])
+def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run, damage, fragment):
+    dump = tmp_path / "dump"
+    shutil.copytree(checkpointed_run, dump)
+    step_dir = dump / "checkpoints" / "step_2"
+    shard = next(step_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+    before = _digests(step_dir)
+    proc = train(0, dump, *FAST, "steps=4", "checkpoint.freq=2", timeout=60)
+    assert_one_error(proc, "checkpoint", str(step_dir), fragment)
+    assert _digests(step_dir) == before
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, checkpointed_run):
+    dump = tmp_path / "dump"
+    shutil.copytree(checkpointed_run, dump)
+    proc = train(0, dump, *FAST, "model.dim=128", "steps=3", timeout=60)
+    assert_one_error(proc, "checkpoint", "cannot be loaded into this run")

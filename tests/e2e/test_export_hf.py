@@ -1,0 +1,89 @@
+"""scripts/export_hf.py: a trained checkpoint loads in transformers' Llama and gives our logits.
+
+Catches any mapping slip (a swapped gate/up, a RoPE layout change, a config field HF reads differently)
+that a name-level check would miss, and checks that a bad checkpoint is one error line, exit code 2.
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from model.transformer import Transformer
+from trainer.checkpoint import SafeFileSystemReader
+from trainer.config import from_dict
+
+REPO = Path(__file__).resolve().parents[2]
+EXPORT = REPO / "scripts" / "export_hf.py"
+# Relative to the logit scale: fp32 with a different op order (HF repeats K/V, we use GQA sdpa).
+MAX_REL_DIFF = 1e-4
+
+
+def _hf_name():
+    spec = importlib.util.spec_from_file_location("export_hf", EXPORT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.hf_name
+
+
+def _train(dump_dir: Path) -> Path:
+    cmd = [sys.executable, "train.py", "model=tiny", "steps=2", "checkpoint.freq=2", f"dump_dir={dump_dir}",
+           "log_freq=1", f"data.cache_dir={REPO / '.cache' / 'data'}"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)
+    return dump_dir / "checkpoints" / "step_2"
+
+
+def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(EXPORT), str(ckpt), str(out)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _our_model(ckpt: Path) -> Transformer:
+    """Loaded straight from DCP, independently of the exporter's own loading code."""
+    cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))
+    model = Transformer(cfg.model_args())
+    dcp.load({"model": model.state_dict()}, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+    return model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
+def test_export_matches_transformers_llama(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    ckpt = _train(tmp_path / "run")
+    done = _export(ckpt, tmp_path / "hf")
+    assert done.returncode == 0, done.stderr
+
+    ours = _our_model(ckpt)
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "hf", torch_dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    hf_weights, hf_name = hf.state_dict(), _hf_name()
+    for name, weight in ours.state_dict().items():
+        assert torch.equal(hf_weights[hf_name(name)], weight), name
+
+    args = ours.args
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(tokens)
+        got = hf.eval()(input_ids=tokens).logits
+    rel_diff = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"export_hf logits: max abs diff {(got - expected).abs().max().item():.3e}, relative {rel_diff:.3e}")
+    assert rel_diff < MAX_REL_DIFF
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ckpt, corrupt)
+    shard = next(corrupt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the manifest's sha256 can tell
+    shard.write_bytes(bytes(data))
+    for bad in (tmp_path / "missing", corrupt):
+        failed = _export(bad, tmp_path / "hf_bad")
+        lines = failed.stderr.strip().splitlines()
+        assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr

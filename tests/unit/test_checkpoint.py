@@ -1,0 +1,66 @@
+"""Checkpoint files: atomic completion, verification, and no arbitrary unpickling on load."""
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import (
+    MANIFEST, CheckpointError, SafeFileSystemReader, latest_checkpoint, load_checkpoint, prune_checkpoints,
+    save_checkpoint, verify_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def state(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(4, 3, generator=gen)}, "trainer": {"step": torch.tensor(seed)}}
+
+
+def test_round_trip_prune_and_latest(tmp_path, world):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})
+    (tmp_path / "step_9").mkdir()  # no manifest: an interrupted copy, not a checkpoint
+    (tmp_path / ".tmp_step_10").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3", "step_9"]
+    target = {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.tensor(0)}}
+    verify_checkpoint(tmp_path / "step_3", world, rank=0, world=1, checksums=True)
+    load_checkpoint(tmp_path / "step_3", target, world)
+    assert torch.equal(target["model"]["w"], state(3)["model"]["w"]) and int(target["trainer"]["step"]) == 3
+
+
+def test_manifest_lists_every_file(tmp_path, world):
+    path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={"notes.txt": _file(tmp_path, "hi")})
+    listed = set(__import__("json").loads((path / MANIFEST).read_text())["files"])
+    assert listed == {p.name for p in path.iterdir()} - {MANIFEST}
+
+
+def _file(folder, text):
+    path = folder / "src.txt"
+    path.write_text(text)
+    return path
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_with_arbitrary_code_is_refused(tmp_path, world):
+    path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={})
+    (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load posix.system"):
+        SafeFileSystemReader(path).read_metadata()
+    target = {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.tensor(0)}}
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        load_checkpoint(path, target, world)
