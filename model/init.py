@@ -22,7 +22,7 @@ def init_std(name: str, args: ModelArgs) -> float | None:
         return None
     if name == "tok_embeddings.weight":
         return 1.0
-    if name == "output.weight":
+    if name == "head.output.weight":
         return args.dim**-0.5
     if name.endswith(_OUTPUT_PROJECTIONS):
         return 0.02 / math.sqrt(2 * args.n_layers)

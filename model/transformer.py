@@ -1,4 +1,4 @@
-"""A Llama-3-style decoder: embedding, N pre-norm blocks (GQA attention + SwiGLU), norm, untied head.
+"""A Llama-3-style decoder: embedding, N pre-norm blocks (GQA attention + SwiGLU), norm + untied head.
 
 Blocks live in a ModuleDict keyed by their global layer index, so a pipeline stage that keeps only
 some blocks still has the same parameter names (and the same initialization) as the full model.
@@ -49,6 +49,18 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputHead(nn.Module):
+    """Final norm + untied vocabulary projection: one module so it can be one FSDP unit."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -56,8 +68,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.head = OutputHead(args)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] in the compute dtype."""
@@ -67,4 +78,4 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return self.head(h)

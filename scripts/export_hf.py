@@ -33,8 +33,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "head.norm.weight": "model.norm.weight",
+    "head.output.weight": "lm_head.weight",
 }
 _PER_LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -106,6 +106,7 @@ def load_weights(ckpt: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
+    """Verify every file's sha256 first: DCP itself would load flipped bits without a word."""
     problem = _local_problem(ckpt, rank=0, world=1, checksums=True)
     if problem:
         raise ConfigError(problem)

@@ -49,7 +49,7 @@ def test_init_depends_only_on_seed_and_name():
 def test_init_stds():
     model = Transformer(ARGS)
     init_weights(model, ARGS, seed=0)
-    assert torch.equal(model.norm.weight, torch.ones(ARGS.dim))
+    assert torch.equal(model.head.norm.weight, torch.ones(ARGS.dim))
     assert abs(model.tok_embeddings.weight.std().item() - 0.986) < 0.05  # N(0,1) truncated at 3 sigma
     assert model.layers["0"].attention.wo.weight.std().item() < model.layers["0"].attention.wq.weight.std().item()
 

@@ -1,0 +1,65 @@
+"""Flat parameters: a unit's parameters concatenated into one 1-D tensor, padded, sharded evenly.
+
+The layout depends only on the unit's parameter names and shapes (registration order) and the
+shard-group size, so any rank, and any offline tool, can rebuild it. Rank r owns elements
+[r * shard_size, (r + 1) * shard_size) of the padded flat tensor; the padding is the tail.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlatParamSpec:
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    world: int
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(s.numel() for s in self.shapes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard_size(self) -> int:
+        return -(-self.total // self.world)
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.world
+
+    def valid_in_shard(self, rank: int) -> int:
+        """How many of rank's shard elements are real (not padding)."""
+        return max(0, min(self.shard_size, self.total - rank * self.shard_size))
+
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for n in self.numels:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+
+def flatten(tensors: list[torch.Tensor], spec: FlatParamSpec) -> torch.Tensor:
+    """fp32 padded flat tensor of the given (full) tensors, in spec order."""
+    flat = torch.zeros(spec.padded, dtype=torch.float32, device=tensors[0].device if tensors else None)
+    torch.cat([t.detach().reshape(-1).float() for t in tensors], out=flat[: spec.total])
+    return flat
+
+
+def shard_of(flat: torch.Tensor, spec: FlatParamSpec, rank: int) -> torch.Tensor:
+    return flat[rank * spec.shard_size : (rank + 1) * spec.shard_size].clone()
+
+
+def split_views(flat: torch.Tensor, spec: FlatParamSpec) -> list[torch.Tensor]:
+    """Per-parameter views of an unsharded flat tensor; autograd concatenates their grads back."""
+    return [chunk.view(shape) for chunk, shape in zip(torch.split(flat[: spec.total], spec.numels), spec.shapes)]
+
+
+def unflatten(flat: torch.Tensor, spec: FlatParamSpec) -> dict[str, torch.Tensor]:
+    """Name -> tensor (copies) of a full flat tensor: for export and tests."""
+    return {name: view.clone() for name, view in zip(spec.names, split_views(flat, spec))}

@@ -1,0 +1,79 @@
+"""The gradient path of an FSDP unit, as small named steps.
+
+Non-last microbatches only accumulate into the fp32 unsharded accumulator. The last microbatch runs
+the post-backward path once per unit per step:
+
+    unsharded_grad -> reduce_scatter_grad -> (HSDP) start_replica_all_reduce -> accumulate_shard_grad
+
+and `finalize` (at the end of the step's backward) waits for the asynchronous replica all-reduces.
+Gradients arrive already scaled by the global token count, so every reduction is a SUM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from parallel import comm
+
+if TYPE_CHECKING:
+    from parallel.fsdp.unit import FSDPUnit
+
+
+def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) -> None:
+    """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`."""
+    if unit.grad_accumulator is None:
+        unit.grad_accumulator = torch.zeros(unit.spec.padded, dtype=torch.float32, device=grad.device)
+    unit.grad_accumulator[offset : offset + grad.numel()].add_(grad.reshape(-1))
+
+
+def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor) -> torch.Tensor:
+    """The step's full flat gradient: this microbatch's plus what earlier microbatches accumulated."""
+    if unit.grad_accumulator is None:
+        return grad
+    accumulate_unsharded(unit, grad)
+    return unit.grad_accumulator
+
+
+def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor:
+    """Sum over the shard group, in reduce_dtype; returns this rank's shard of the sum."""
+    flat_grad = flat_grad.to(unit.cfg.reduce_dtype)
+    if unit.spec.world == 1:
+        return flat_grad
+    shard = torch.empty(unit.spec.shard_size, dtype=unit.cfg.reduce_dtype, device=flat_grad.device)
+    comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group)
+    return shard
+
+
+def start_replica_all_reduce(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
+    """HSDP: sum the shard over replicas asynchronously, overlapping the next units' collectives."""
+    work = comm.all_reduce(shard_grad, unit.replicate_group, async_op=True)
+    unit.replica_reduce = (work, shard_grad)
+
+
+def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
+    grad = shard_grad.to(torch.float32)
+    if unit.flat_param.grad is None:
+        unit.flat_param.grad = grad
+    else:
+        unit.flat_param.grad += grad
+
+
+def post_backward(unit: FSDPUnit, grad: torch.Tensor) -> None:
+    """Last microbatch: reduce the step's gradient of this unit, once."""
+    shard_grad = reduce_scatter_grad(unit, unsharded_grad(unit, grad))
+    if unit.replicate_group is not None and unit.replicate_group.size() > 1:
+        start_replica_all_reduce(unit, shard_grad)
+    else:
+        accumulate_shard_grad(unit, shard_grad)
+    unit.grad_accumulator = None
+
+
+def finalize(unit: FSDPUnit) -> None:
+    """End of the step's backward: land the asynchronous replica all-reduce."""
+    if unit.replica_reduce is not None:
+        work, shard_grad = unit.replica_reduce
+        work.wait()
+        accumulate_shard_grad(unit, shard_grad)
+        unit.replica_reduce = None

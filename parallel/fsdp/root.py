@@ -1,0 +1,73 @@
+"""Shard a model into FSDP units and drive them per microbatch and per step.
+
+The caller (the step loop, later the pipeline runtime) names the units in forward order, tells the
+root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
+`finish_gradient_sync` once after the last microbatch's backward.
+"""
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from parallel import comm
+from parallel.fsdp.grad_sync import finalize
+from parallel.fsdp.hooks import register_hooks
+from parallel.fsdp.unit import FSDPConfig, FSDPUnit, UnitState
+
+
+class FSDPRoot:
+    def __init__(self, units: list[FSDPUnit], shard_group: ProcessGroup):
+        self.units = units
+        self.shard_group = shard_group
+        self._index = {id(u): i for i, u in enumerate(units)}
+
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        for unit in self.units:
+            unit.is_first_microbatch, unit.is_last_microbatch = is_first, is_last
+
+    def prefetch_next(self, unit: FSDPUnit) -> None:
+        """Forward: start the next unit's all-gather (at most one ahead)."""
+        i = self._index[id(unit)] + 1
+        if i < len(self.units) and self.units[i].state is UnitState.SHARDED:
+            self.units[i].start_unshard()
+
+    def prefetch_previous(self, unit: FSDPUnit) -> None:
+        """Backward runs units in reverse: start the previous unit's all-gather."""
+        i = self._index[id(unit)] - 1
+        if i >= 0 and self.units[i].state is UnitState.SHARDED:
+            self.units[i].start_unshard()
+
+    def finish_gradient_sync(self) -> None:
+        """After the last microbatch's backward: land async reductions and free unsharded params."""
+        for unit in self.units:
+            finalize(unit)
+            unit.reshard()
+            if unit.gradients_pending:
+                raise RuntimeError(
+                    f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
+                )
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of all units' gradients: shards are disjoint, so square-sums add over the group."""
+        total = torch.zeros((), dtype=torch.float32, device=self.units[0].flat_param.device)
+        for unit in self.units:
+            if unit.flat_param.grad is not None:
+                total += unit.flat_param.grad.pow(2).sum()
+        if self.shard_group.size() > 1:
+            comm.all_reduce(total, self.shard_group)
+        return total.sqrt().item()
+
+
+def fully_shard(
+    model: nn.Module, unit_names: list[str], shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
+    cfg: FSDPConfig,
+) -> FSDPRoot:
+    """Turn each named submodule (forward order) into an FSDP unit; every parameter must be in one."""
+    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg) for name in unit_names]
+    stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
+    if stray:
+        raise ValueError(f"parameters outside every FSDP unit: {', '.join(stray)}")
+    root = FSDPRoot(units, shard_group)
+    for unit in units:
+        register_hooks(unit, root)
+    return root

@@ -1,0 +1,151 @@
+"""One FSDP unit: a module whose parameters live in one sharded fp32 flat parameter.
+
+An explicit state machine with small named transitions:
+
+    SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --reshard--> SHARDED
+
+While SHARDED only the fp32 shard (`flat_param`, what the optimizer sees) exists. Unsharding casts
+the shard to the compute dtype and all-gathers it into `_buffer`; the module's parameters become
+views of `_full`, an autograd leaf over that buffer, so the backward of all views ends in ONE
+concat (SplitWithSizesBackward) into `_full.grad`. Resharding frees the buffer's storage; saved
+views keep aliasing it, so re-gathering before backward makes them valid again.
+"""
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, Work
+
+from parallel import comm
+from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of, split_views
+from parallel.fsdp.grad_sync import accumulate_unsharded
+
+
+class UnitState(Enum):
+    SHARDED = auto()
+    GATHERING = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: bool = True
+    optimize_backward_concat: bool = False
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _allocate(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class FSDPUnit:
+    def __init__(
+        self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
+        cfg: FSDPConfig,
+    ):
+        self.name, self.module, self.cfg = name, module, cfg
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.rank = shard_group.rank()
+        owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n, _ in module.named_parameters()]
+        params = [getattr(sub, attr) for sub, attr in owners]
+        self.spec = FlatParamSpec(tuple(n for n, _ in module.named_parameters()), tuple(p.shape for p in params),
+                                  shard_group.size())
+        self.flat_param = nn.Parameter(shard_of(flatten(params, self.spec), self.spec, self.rank))
+        for sub, attr in owners:
+            del sub._parameters[attr]
+        module.register_parameter("flat_param", self.flat_param)
+        self._owners = owners
+        device = self.flat_param.device
+        self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
+        _free(self._buffer)
+        self._full = torch.empty(0, dtype=cfg.compute_dtype, device=device).requires_grad_()
+        self._full.data = self._buffer  # shares storage, not the version counter: re-gathers stay legal
+        self.state = UnitState.SHARDED
+        self._gather: tuple[Work, torch.Tensor] | None = None
+        self.is_first_microbatch = self.is_last_microbatch = True
+        self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
+        self.replica_reduce: tuple[Work, torch.Tensor] | None = None
+        self.gradients_pending = 0  # forwards with grad whose backward has not finished
+
+    @property
+    def full(self) -> torch.Tensor:
+        return self._full
+
+    # --- state transitions -------------------------------------------------------------------
+    def start_unshard(self) -> None:
+        if self.state is not UnitState.SHARDED:
+            return
+        _allocate(self._buffer)
+        shard = self.flat_param.detach().to(self.cfg.compute_dtype)
+        if self.spec.world == 1:
+            self._buffer.copy_(shard)
+            self.state = UnitState.UNSHARDED
+            return
+        work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True)
+        self._gather = (work, shard)  # keep the input alive until the gather completes
+        self.state = UnitState.GATHERING
+
+    def wait_unshard(self) -> None:
+        if self.state is UnitState.GATHERING:
+            self._gather[0].wait()
+            self._gather = None
+            self.state = UnitState.UNSHARDED
+
+    def unshard(self) -> None:
+        self.start_unshard()
+        self.wait_unshard()
+
+    def reshard(self) -> None:
+        self.wait_unshard()
+        if self.state is UnitState.UNSHARDED:
+            _free(self._buffer)
+            self.state = UnitState.SHARDED
+
+    # --- parameter views ---------------------------------------------------------------------
+    def install_views(self, on_view_grads_done) -> None:
+        """Point the module's parameters at views of the unsharded flat parameter.
+
+        On the last microbatch (or without optimize_backward_concat) the views stay connected to
+        `_full`, so their gradients are concatenated once into `_full.grad`. Otherwise each view's
+        gradient lands in its own leaf and is added to the fp32 accumulator by a hook, with no concat.
+        """
+        if self.is_last_microbatch or not self.cfg.optimize_backward_concat:
+            views = split_views(self._full, self.spec)
+        else:
+            views = _DetachedViews(self, on_view_grads_done).views
+        if torch.is_grad_enabled() and not all(v.requires_grad for v in views):
+            raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
+        for (sub, attr), view in zip(self._owners, views):
+            setattr(sub, attr, view)
+
+
+class _DetachedViews:
+    """Views cut from the flat parameter in autograd: the split runs under no_grad, each chunk is made
+    a grad-requiring leaf, and the view() op runs outside no_grad so the view has a grad_fn (a view
+    built entirely under no_grad would silently drop its gradient)."""
+
+    def __init__(self, unit: FSDPUnit, on_done):
+        self.unit, self.on_done = unit, on_done
+        with torch.no_grad():
+            chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
+        self.pending = len(chunks)
+        self.views = []
+        for chunk, offset, shape in zip(chunks, unit.spec.offsets(), unit.spec.shapes):
+            chunk.requires_grad_(True)
+            chunk.register_post_accumulate_grad_hook(partial(self._on_chunk_grad, offset))
+            self.views.append(chunk.view(shape))
+
+    def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
+        accumulate_unsharded(self.unit, chunk.grad, offset)
+        chunk.grad = None
+        self.pending -= 1
+        if self.pending == 0:
+            self.on_done(self.unit)
