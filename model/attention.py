@@ -53,11 +53,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T) v as a module of its own, so selective checkpointing can recompute just this."""
+
+    def __init__(self, impl: str):
+        super().__init__()
+        self.impl = impl
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, self.impl)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.impl = args.efficient_attn
+        self.core = AttentionCore(args.efficient_attn)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -69,5 +80,5 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v, self.impl)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -88,6 +88,10 @@ class ParallelMesh:
             return self._flat[name].get_group()
         return self.mesh.get_group(name)
 
+    def device_mesh(self, name: str) -> DeviceMesh:
+        """The 1-D device mesh of a dimension or flattened group (for DTensor state dicts)."""
+        return self._flat[name] if name in self._flat else self.mesh[name]
+
     def rank_in(self, name: str) -> int:
         if name in self._flat:
             return self._flat[name].get_local_rank()

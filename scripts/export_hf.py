@@ -23,10 +23,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from model.args import ModelArgs  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
-from trainer.checkpoint import _local_problem, load_checkpoint  # noqa: E402
+from trainer.checkpoint import checkpoint_files_problem  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
+from trainer.state import load_full_weights  # noqa: E402
 from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -93,25 +93,17 @@ def read_train_config(ckpt: Path) -> TrainConfig:
     return from_dict(raw)
 
 
-def load_weights(ckpt: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The full fp32 weights; only the `model.*` keys are read, never the optimizer state."""
-    with torch.device("meta"):  # shapes only: no memory, no random init
-        shapes = {n: p.shape for n, p in Transformer(args).named_parameters()}
-    state = {"model": {n: torch.empty(shape) for n, shape in shapes.items()}}
+def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
+    """Verify every file's sha256 first: DCP itself would load flipped bits without a word."""
+    problem = checkpoint_files_problem(ckpt, rank=0, world=1, checksums=True)
+    if problem:
+        raise ConfigError(problem)
+    cfg = read_train_config(ckpt)
+    args = cfg.model_args()
     with warnings.catch_warnings():
         # Single-process loading is the intent here, not an accident DCP should warn about.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_checkpoint(ckpt, state, group=None)
-    return state["model"]
-
-
-def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
-    """Verify every file's sha256 first: DCP itself would load flipped bits without a word."""
-    problem = _local_problem(ckpt, rank=0, world=1, checksums=True)
-    if problem:
-        raise ConfigError(problem)
-    args = read_train_config(ckpt).model_args()
-    weights = load_weights(ckpt, args)
+        weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(n): t.to(dtype).contiguous() for n, t in weights.items()}
     (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")

@@ -107,13 +107,14 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 def verify_checkpoint(path: Path, group: ProcessGroup, rank: int, world: int, checksums: bool) -> None:
     """Raise CheckpointError on every rank if any file is missing, truncated or (with checksums) altered."""
-    problem = _local_problem(path, rank, world, checksums)
+    problem = checkpoint_files_problem(path, rank, world, checksums)
     problems = [p for p in comm.all_gather_object(problem, group) if p]
     if problems:
         raise CheckpointError(problems[0])
 
 
-def _local_problem(path: Path, rank: int, world: int, checksums: bool) -> str | None:
+def checkpoint_files_problem(path: Path, rank: int, world: int, checksums: bool) -> str | None:
+    """What is wrong with the files of a checkpoint (None if nothing); checksums of every world-th file."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
@@ -164,7 +165,7 @@ def checkpoint_keys(path: Path) -> set[str]:
     return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def load_checkpoint(path: Path, state: dict, group: ProcessGroup) -> None:
+def load_checkpoint(path: Path, state: dict, group: ProcessGroup | None) -> None:
     """Load into the tensors of `state` in place; any failure becomes one CheckpointError line."""
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)

@@ -78,6 +78,7 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"
     context_parallel_comm: str = "all_gather"
     compute_dtype: str | None = None
+    reduce_dtype: str = "fp32"
     dp_replicate: int = 1
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
@@ -111,6 +112,7 @@ ENUMS = {
     "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "context_parallel_comm": ("all_gather", "ring"),
     "compute_dtype": (None, "bf16", "fp32"),
+    "reduce_dtype": ("bf16", "fp32"),
     "model.layer_ckpt": ("none", "full", "selective"),
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
@@ -122,19 +124,17 @@ NOT_SUPPORTED_YET = (
     ("pipeline_parallel_size", 1),
     ("context_parallel_size", 1),
     ("num_layers_per_virtual_pipeline_stage", None),
-    ("dp_replicate", 1),
-    ("reshard_after_forward", True),
-    ("optimize_backward_concat", False),
     ("profile_freq", 0),
     ("dump_profile_traces", False),
     ("profile_with_stack", False),
     ("mem_snapshot_stop_step", None),
     ("model.sequence_parallel", False),
-    ("model.layer_ckpt", "none"),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),
     ("model.use_fp8", False),
     ("model.fp8_wgrad", True),
+    # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.
+    ("optim.use_fp32_copy_optim", True),
 )
 
 

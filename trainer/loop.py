@@ -1,5 +1,8 @@
 """The optimizer-step loop: microbatches with gradient accumulation, one gradient sync, one step.
 
+The loop is the microbatch scheduler of the FSDP protocol: it marks the first and last microbatch, so
+gradients are reduced once per step, after the last microbatch's backward.
+
 Each microbatch's loss is its token-loss sum divided by the token count of the whole global batch,
 so accumulated and data-parallel-summed gradients are those of the global mean loss, and the logged
 loss is the same number for every layout.
@@ -13,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
-from parallel.data_parallel import all_reduce_gradients
+from parallel.fsdp import FSDPRoot
 from parallel.mesh import ParallelMesh
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
 from trainer.metrics import StepMetrics, peak_memory_gib
-from trainer.optimizer import MasterAdamW, clip_grad_norm, lr_at
+from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -31,7 +34,8 @@ class Trainer:
     cfg: TrainConfig
     mesh: ParallelMesh
     model: nn.Module
-    optimizer: MasterAdamW
+    fsdp: FSDPRoot
+    optimizer: NamedAdamW
     loader: BatchLoader
     device: torch.device
     flops_per_token: float
@@ -46,8 +50,9 @@ class Trainer:
         start = time.perf_counter()
         comm.LEDGER.reset()
         loss_sum = self._forward_backward(step)
-        all_reduce_gradients(self.optimizer.grads(), self.mesh.group("dp"))
-        grad_norm = clip_grad_norm(self.optimizer.grads(), self.cfg.optim.clip_grad_norm)
+        self.fsdp.finish_gradient_sync()
+        grad_norm = self.fsdp.grad_norm()
+        clip_grads(self.optimizer.grads(), grad_norm, self.cfg.optim.clip_grad_norm)
         lr = lr_at(step, self.cfg.steps, self.cfg.optim)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
@@ -61,7 +66,9 @@ class Trainer:
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in self.loader.batch(step - 1):
+        microbatches = self.loader.batch(step - 1)
+        for i, (inputs, targets) in enumerate(microbatches):
+            self.fsdp.set_microbatch(is_first=i == 0, is_last=i == len(microbatches) - 1)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             mb_loss = token_loss_sum(self.model(inputs), targets)
             (mb_loss / self.global_tokens).backward()

@@ -9,18 +9,17 @@ import torch.distributed as dist
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
+from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog
-from trainer.optimizer import MasterAdamW
+from trainer.optimizer import NamedAdamW
+from trainer.parallelize import DTYPES, parallelize
 from trainer.sampler import GlobalBatchSampler
-from trainer.state import apply_loaded, checkpoint_state, load_template
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from trainer.state import checkpoint_state, load_into
 
 
 def select_device(launch: LaunchEnv) -> torch.device:
@@ -35,11 +34,12 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+    """Full fp32 weights from the seed alone (layout-independent); FSDP casts to the compute dtype."""
     args = cfg.model_args()
     model = Transformer(args)
     init_weights(model, args, cfg.seed)
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=device)
 
 
 def log0(rank: int, msg: str) -> None:
@@ -71,13 +71,15 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     )
     sampler = GlobalBatchSampler(tokens.num_sequences(cfg.seq_len), cfg.batch_size * dims.dp, cfg.seed)
     loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dims.dp, cfg.microbatch_size)
-    model = build_model(cfg, device, compute_dtype(cfg, device))
-    optimizer = MasterAdamW(model, cfg.optim)
+    model = build_model(cfg, device)
+    fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
+    optimizer = NamedAdamW(model, cfg.optim)
     world = dist.group.WORLD
     ckpt_root = dump_dir / "checkpoints"
-    start_step = _resume(cfg, optimizer, ckpt_root, launch, world, log)
+    state = lambda step: checkpoint_state(fsdp, optimizer, mesh.device_mesh("dp_shard_cp"), step, launch.rank)  # noqa: E731
+    start_step = _resume(cfg, state(0), ckpt_root, launch, world, log)
     trainer = Trainer(
-        cfg, mesh, model, optimizer, loader, device,
+        cfg, mesh, model, fsdp, optimizer, loader, device,
         flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
         peak_flops=device_peak_flops(device),
     )
@@ -90,21 +92,18 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
         if cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
             metrics.log(m)
         if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:
-            path = save_checkpoint(ckpt_root, step, checkpoint_state(optimizer, step, launch.rank), world,
-                                   launch.rank, extra_files)
+            path = save_checkpoint(ckpt_root, step, state(step), world, launch.rank, extra_files)
             if launch.rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
             log(f"saved checkpoint {path}")
 
 
-def _resume(cfg: TrainConfig, optimizer: MasterAdamW, root: Path, launch: LaunchEnv, group, log) -> int:
+def _resume(cfg: TrainConfig, state: dict, root: Path, launch: LaunchEnv, group, log) -> int:
     path = latest_checkpoint(root)
     if path is None:
         return 0
     verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
-    state = load_template(optimizer, launch.rank, path)
-    load_checkpoint(path, state, group)
-    step = apply_loaded(optimizer, state, launch.rank)
+    step = load_into(path, state, group, launch.rank)
     log(f"resumed from {path} (step {step})")
     return step
 

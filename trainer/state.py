@@ -1,45 +1,65 @@
-"""What a checkpoint holds, as one DCP state dict: fp32 weights, optimizer state, step, RNG.
+"""What a checkpoint holds, as one DCP state dict: FSDP shards, optimizer state, step, RNG.
 
-Everything is a tensor (no pickled objects), so loading never unpickles user data. The sampler needs
-no state of its own: the global batch of step s is a pure function of (seed, s).
+Weights and Adam moments are saved per FSDP unit as DTensors of the unit's flat length (see
+parallel/fsdp/state_dict.py), so a checkpoint reloads into any data-parallel layout and an offline
+tool can rebuild full weights. Everything is a tensor: loading never unpickles user data. The sampler
+needs no state: the global batch of step s is a pure function of (seed, s).
 """
 
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.checkpoint import checkpoint_keys
-from trainer.optimizer import MasterAdamW
+from model.transformer import Transformer
+from parallel.fsdp import FSDPRoot
+from parallel.fsdp.flat_param import FlatParamSpec, unflatten
+from parallel.fsdp.state_dict import shard_as_dtensor
+from trainer.checkpoint import checkpoint_keys, load_checkpoint
+from trainer.config import TrainConfig
+from trainer.optimizer import ADAM_STATE, NamedAdamW
+from trainer.parallelize import fsdp_unit_names
 
 
 def rng_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-def checkpoint_state(optimizer: MasterAdamW, step: int, rank: int) -> dict:
+def checkpoint_state(root: FSDPRoot, optimizer: NamedAdamW, mesh: DeviceMesh, step: int, rank: int) -> dict:
+    """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place."""
+    units = {f"{u.name}.flat_param": u for u in root.units}
+    opt_state = optimizer.state()
     return {
-        "model": {n: p.detach() for n, p in optimizer.weights().items()},
-        "optim": optimizer.state_dict(),
+        "model": {key: shard_as_dtensor(u, u.flat_param, mesh) for key, u in units.items()},
+        "optim": {
+            key: {"step": opt_state[key]["step"]}
+            | {k: shard_as_dtensor(u, opt_state[key][k], mesh) for k in ADAM_STATE}
+            for key, u in units.items()
+        },
         "trainer": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": {rng_key(rank): torch.get_rng_state()},
     }
 
 
-def load_template(optimizer: MasterAdamW, rank: int, path: Path) -> dict:
-    """Tensors to load into; this rank's RNG only if the checkpoint has it (same world layout)."""
-    state = {
-        "model": {n: torch.empty_like(p) for n, p in optimizer.weights().items()},
-        "optim": optimizer.state_template(),
-        "trainer": {"step": torch.zeros((), dtype=torch.int64)},
-    }
-    if f"rng.{rng_key(rank)}" in checkpoint_keys(path):
-        state["rng"] = {rng_key(rank): torch.empty_like(torch.get_rng_state())}
-    return state
-
-
-def apply_loaded(optimizer: MasterAdamW, state: dict, rank: int) -> int:
-    """Put loaded tensors in place; returns the step the checkpoint was taken after."""
-    optimizer.load_state(state["model"], state["optim"])
+def load_into(path: Path, state: dict, group, rank: int) -> int:
+    """Load a checkpoint into `checkpoint_state` views; returns the step it was taken after."""
+    if f"rng.{rng_key(rank)}" not in checkpoint_keys(path):
+        del state["rng"]  # a different world layout: this rank's stream was not saved
+    load_checkpoint(path, state, group)
     if "rng" in state:
         torch.set_rng_state(state["rng"][rng_key(rank)])
     return int(state["trainer"]["step"])
+
+
+def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model_args())
+    specs = {name: FlatParamSpec.of_module(model.get_submodule(name), world=1) for name in fsdp_unit_names(model)}
+    state = {"model": {f"{name}.flat_param": torch.empty(spec.total) for name, spec in specs.items()}}
+    load_checkpoint(path, state, group=None)
+    weights = {}
+    for name, spec in specs.items():
+        flat = state["model"][f"{name}.flat_param"]
+        weights.update({f"{name}.{n}": t for n, t in unflatten(flat, spec).items()})
+    return weights

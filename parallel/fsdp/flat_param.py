@@ -32,6 +32,12 @@ class FlatParamSpec:
     def padded(self) -> int:
         return self.shard_size * self.world
 
+    @classmethod
+    def of_module(cls, module: torch.nn.Module, world: int) -> "FlatParamSpec":
+        """The layout of a module's parameters in registration order."""
+        named = list(module.named_parameters())
+        return cls(tuple(n for n, _ in named), tuple(p.shape for _, p in named), world)
+
     def valid_in_shard(self, rank: int) -> int:
         """How many of rank's shard elements are real (not padding)."""
         return max(0, min(self.shard_size, self.total - rank * self.shard_size))

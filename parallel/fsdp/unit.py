@@ -54,10 +54,9 @@ class FSDPUnit:
         self.name, self.module, self.cfg = name, module, cfg
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.rank = shard_group.rank()
-        owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n, _ in module.named_parameters()]
+        self.spec = FlatParamSpec.of_module(module, shard_group.size())
+        owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.spec.names]
         params = [getattr(sub, attr) for sub, attr in owners]
-        self.spec = FlatParamSpec(tuple(n for n, _ in module.named_parameters()), tuple(p.shape for p in params),
-                                  shard_group.size())
         self.flat_param = nn.Parameter(shard_of(flatten(params, self.spec), self.spec, self.rank))
         for sub, attr in owners:
             del sub._parameters[attr]

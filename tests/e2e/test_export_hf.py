@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from model.transformer import Transformer
 from scripts.export_hf import hf_name
 from tests.e2e.launch import REPO, train_ok
-from trainer.checkpoint import SafeFileSystemReader
 from trainer.config import from_dict
+from trainer.state import load_full_weights
 
 EXPORT = REPO / "scripts" / "export_hf.py"
 # Relative to the logit scale. Not bitwise: HF may pick another attention kernel (eager measured ~2e-7).
@@ -31,10 +30,10 @@ def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 def _our_model(ckpt: Path) -> Transformer:
-    """Loaded straight from DCP, independently of the exporter's own loading code."""
+    """Our model with the checkpoint's full weights (unflattened from the FSDP units' flat tensors)."""
     cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))
     model = Transformer(cfg.model_args())
-    dcp.load({"model": model.state_dict()}, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
+    model.load_state_dict(load_full_weights(ckpt, cfg))
     return model.eval()
 
 

@@ -39,8 +39,10 @@ def test_metrics_contract(layout_runs):
         for r in records:
             assert CONTRACT_FIELDS <= r.keys()
             assert isinstance(r["loss"], float) and r["tokens_per_s"] > 0 and r["tflops"] > 0
-        # One flattened gradient all-reduce plus the loss all-reduce per step, only when there are peers.
-        expected = {} if nproc == 1 else {"all_reduce": 2}
+        # Per step with FSDP (ZeRO-3 by default) over 4 units and M microbatches: 2M all-gathers and one
+        # reduce-scatter per unit, plus the grad-norm and loss all-reduces; nothing without peers.
+        units, m = 4, 4 // nproc
+        expected = {} if nproc == 1 else {"all_gather": units * 2 * m, "reduce_scatter": units, "all_reduce": 2}
         assert {op: v["count"] for op, v in records[-1]["comm"].items()} == expected
 
 

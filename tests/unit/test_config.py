@@ -47,6 +47,7 @@ def test_llama3_8b_dimensions():
         (["model_parallel_size=3"], 3, "model.n_heads=4 is not divisible by model_parallel_size=3"),
         (["model.n_kv_heads=4", "model.n_heads=6", "model.dim=96"], 1, "model.n_heads=6 is not divisible by model.n_kv_heads=4"),
         (["dp_replicate=3"], 4, "world size 4 is not divisible by"),
+        (["reduce_dtype=fp8"], 1, "reduce_dtype=fp8 is not one of: bf16 | fp32"),
         (["microbatch_size=3"], 1, "batch_size=4 is not divisible by microbatch_size=3"),
         (["compute_dtype=fp16"], 1, "compute_dtype=fp16 is not one of: null | bf16 | fp32"),
         (["model.layer_ckpt=some"], 1, "model.layer_ckpt=some is not one of"),
@@ -62,11 +63,11 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 UNBUILT_VALUES = {
     "model_parallel_size": "2", "pipeline_parallel_size": "2", "context_parallel_size": "2",
-    "num_layers_per_virtual_pipeline_stage": "1", "dp_replicate": "2", "reshard_after_forward": "false",
-    "optimize_backward_concat": "true", "profile_freq": "5", "dump_profile_traces": "true",
+    "num_layers_per_virtual_pipeline_stage": "1", "profile_freq": "5", "dump_profile_traces": "true",
     "profile_with_stack": "true", "mem_snapshot_stop_step": "3", "model.sequence_parallel": "true",
-    "model.layer_ckpt": "full", "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
+    "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
     "model.use_fp8": "true", "model.fp8_wgrad": "false",
+    "optim.use_fp32_copy_optim": "false",
 }
 
 

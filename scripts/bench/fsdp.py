@@ -1,0 +1,367 @@
+"""Our FSDP against PyTorch FSDP2 and DDP: step time, bytes communicated, peak RSS; dp=4 gloo ranks on CPU.
+
+Same model (conf/model/{tiny,small}.yaml), same weights, same data; fp32, 1 thread per rank, microbatch
+size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`;
+FSDP2: `set_requires_gradient_sync` / `set_is_last_backward`; DDP: `no_sync()`). With
+reshard_after_forward=False, FSDP2 also gets `set_reshard_after_backward(is_last)` so that, like ours,
+it keeps parameters unsharded across the step's microbatches (its documented gradient-accumulation
+setting) instead of re-gathering per microbatch.
+
+Timing: every configuration lives in the same 4 processes and they run interleaved by rounds (each
+round: K steps of each configuration, the order rotating per round), so machine noise hits them alike.
+A step's time is the slowest rank's; the table gives the median, and the ratio against FSDP2 with the
+same reshard setting is the median over rounds of per-round median ratios (DDP against FSDP2 without
+resharding: both keep full parameters through the step).
+
+Bytes per step use the ledger convention (parallel/comm.py: gathered output for all-gather, unreduced
+input for reduce-scatter, the tensor for all-reduce), not wire bytes. Ours: `parallel.comm.LEDGER`.
+FSDP2: measured by wrapping `torch.distributed.all_gather_single` / `reduce_scatter_single` (what FSDP2
+calls) in this script only. DDP: its C++ reducer bypasses Python, so one all-reduce per bucket, sizes
+taken from DDP's own logging data (`bucket_sizes`), valid because every parameter gets a gradient.
+
+Memory: ru_maxrss is a process-wide high-water mark that cannot be reset, so in the shared timing
+processes it would only show the largest configuration. Peak RSS is therefore measured in fresh
+processes, one spawn per configuration; the table gives the max over ranks of the peak, and of the
+increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline). The
+peak includes building the full model on every rank, as all three do.
+
+    python scripts/bench/fsdp.py [--model tiny|small] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
+
+Ranks are spawned by the script itself (torch.multiprocessing, no torchrun).
+"""
+
+import sys
+from pathlib import Path
+
+# Scripts run from a checkout without installing the package.
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from contextlib import AbstractContextManager, nullcontext  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from functools import wraps  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from model.args import ModelArgs  # noqa: E402
+from model.init import init_weights  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+from parallel import comm  # noqa: E402
+from parallel.fsdp import FSDPConfig, fully_shard  # noqa: E402
+from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
+from trainer.config import from_dict  # noqa: E402
+
+WORLD = 4
+SEED = 0
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+TORCH_LEDGER = comm.CommLedger()  # FSDP2's collectives, counted by the wrappers below
+
+
+@dataclass(frozen=True)
+class Config:
+    kind: str  # "ours" | "fsdp2" | "ddp"
+    reshard: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.kind == "ddp" else f"{self.kind} reshard={self.reshard}"
+
+
+CONFIGS = (Config("ours", False), Config("fsdp2", False), Config("ours", True), Config("fsdp2", True),
+           Config("ddp"))
+
+
+def model_args(name: str, seq_len: int) -> ModelArgs:
+    """Dimensions from conf/model/{name}.yaml, through the trainer's own config checks."""
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    return from_dict({"model": raw, "seq_len": seq_len}).model_args()
+
+
+# --- counting FSDP2's collectives ---------------------------------------------------------------
+def _counted(op: str, fn: Callable, position: int, keyword: str) -> Callable:
+    """Wrap a torch.distributed collective to record the bytes of its argument `position`/`keyword`."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = args[position] if len(args) > position else kwargs[keyword]
+        TORCH_LEDGER.record(op, kwargs.get("group"), t.numel() * t.element_size())
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def count_torch_collectives() -> None:
+    """parallel.comm bound the originals at import, so our FSDP's calls are not counted twice."""
+    dist.all_gather_single = _counted("all_gather", dist.all_gather_single, 0, "output_tensor")
+    dist.reduce_scatter_single = _counted("reduce_scatter", dist.reduce_scatter_single, 1, "input")
+
+
+# --- one configuration: model, optimizer, microbatch protocol -------------------------------------
+class Runner:
+    """Runs one optimizer step of M microbatches; subclasses supply the FSDP/DDP protocol."""
+
+    def __init__(self, model: nn.Module, loss_divisor: int):
+        self.model, self.loss_divisor = model, loss_divisor
+        self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        return nullcontext()
+
+    def finish_backward(self) -> None:
+        pass
+
+    def reset_comm(self) -> None:
+        TORCH_LEDGER.reset()
+
+    def comm(self) -> dict[str, dict[str, int]]:
+        """{op: {count, bytes}} of the step just run."""
+        return TORCH_LEDGER.by_op()
+
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Returns this rank's summed token loss."""
+        total = 0.0
+        for i, (x, y) in enumerate(microbatches):
+            with self.microbatch(i == 0, i == len(microbatches) - 1):
+                loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten(), reduction="sum")
+                (loss / self.loss_divisor).backward()
+            total += loss.item()
+        self.finish_backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+class Ours(Runner):
+    def __init__(self, model: Transformer, mesh: ParallelMesh, reshard: bool, global_tokens: int):
+        cfg = FSDPConfig(reshard_after_forward=reshard, optimize_backward_concat=True)
+        self.root = fully_shard(model, unit_names(model), mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), cfg)
+        super().__init__(model, global_tokens)  # ours sums gradients over ranks
+
+    def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        self.root.set_microbatch(is_first, is_last)
+        return nullcontext()
+
+    def finish_backward(self) -> None:
+        self.root.finish_gradient_sync()
+
+    def reset_comm(self) -> None:
+        comm.LEDGER.reset()
+
+    def comm(self) -> dict[str, dict[str, int]]:
+        return comm.LEDGER.by_op()
+
+
+class FSDP2(Runner):
+    def __init__(self, model: Transformer, reshard: bool, rank_tokens: int):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for name in unit_names(model):
+            fsdp2_fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+        fsdp2_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        self.reshard = reshard
+        super().__init__(model, rank_tokens)  # FSDP2 averages gradients over ranks
+
+    def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        self.model.set_requires_gradient_sync(is_last)
+        self.model.set_is_last_backward(is_last)
+        if not self.reshard:
+            self.model.set_reshard_after_backward(is_last)
+        return nullcontext()
+
+
+class DDP(Runner):
+    def __init__(self, model: Transformer, rank_tokens: int):
+        super().__init__(DistributedDataParallel(model), rank_tokens)  # DDP averages gradients over ranks
+
+    def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
+        return nullcontext() if is_last else self.model.no_sync()
+
+    def comm(self) -> dict[str, dict[str, int]]:
+        """One all-reduce per gradient bucket, as laid out by DDP's reducer."""
+        buckets = [int(b) for b in self.model._get_ddp_logging_data()["bucket_sizes"].split(",")]
+        return {"all_reduce": {"count": len(buckets), "bytes": sum(buckets)}}
+
+
+def unit_names(model: Transformer) -> list[str]:
+    return ["tok_embeddings", *(f"layers.{i}" for i in model.layers), "head"]
+
+
+def build(cfg: Config, args: ModelArgs, microbatches: int, mesh: ParallelMesh) -> Runner:
+    model = Transformer(args)
+    init_weights(model, args, SEED)
+    rank_tokens = microbatches * args.max_seq_len
+    if cfg.kind == "ours":
+        return Ours(model, mesh, cfg.reshard, rank_tokens * WORLD)
+    if cfg.kind == "fsdp2":
+        return FSDP2(model, cfg.reshard, rank_tokens)
+    return DDP(model, rank_tokens)
+
+
+def rank_batch(args: ModelArgs, microbatches: int, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's microbatches (size 1) of the step's global batch."""
+    gen = torch.Generator().manual_seed(SEED + step)
+    tokens = torch.randint(0, args.vocab_size, (WORLD * microbatches, args.max_seq_len + 1), generator=gen)
+    mine = tokens[rank * microbatches : (rank + 1) * microbatches]
+    return [(t[None, :-1], t[None, 1:]) for t in mine]
+
+
+def timed_step(runner: Runner, batch: list) -> tuple[float, float, dict]:
+    """(seconds, local loss sum, comm) of one step, ranks aligned by a barrier outside the timing."""
+    dist.barrier()
+    runner.reset_comm()
+    start = time.perf_counter()
+    loss = runner.step(batch)
+    return time.perf_counter() - start, loss, runner.comm()
+
+
+# --- phase 1: interleaved timing in one set of processes ------------------------------------------
+def time_all(rank: int, world: int, args: ModelArgs, microbatches: int, warmup: int, rounds: int, k: int) -> dict:
+    count_torch_collectives()
+    mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
+    runners = {cfg: build(cfg, args, microbatches, mesh) for cfg in CONFIGS}
+    times: dict[Config, list[list[float]]] = {cfg: [] for cfg in CONFIGS}
+    steps_done = dict.fromkeys(CONFIGS, 0)  # every configuration sees the same batches in the same order
+    losses: dict[Config, float] = {}
+    comms: dict[Config, dict] = {}
+    for r in range(-1, rounds):  # round -1: warmup, untimed
+        shift = r % len(CONFIGS)
+        for cfg in CONFIGS[shift:] + CONFIGS[:shift]:
+            round_times = []
+            for _ in range(warmup if r < 0 else k):
+                batch = rank_batch(args, microbatches, steps_done[cfg], rank)
+                seconds, losses[cfg], comms[cfg] = timed_step(runners[cfg], batch)
+                steps_done[cfg] += 1
+                round_times.append(seconds)
+            if r >= 0:
+                times[cfg].append(round_times)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (times, losses))
+    return {"times": slowest_rank(gathered), "losses": global_losses(gathered, args, microbatches), "comm": comms}
+
+
+def slowest_rank(gathered: list) -> dict[Config, list[list[float]]]:
+    """Per configuration, round and step: the max over ranks."""
+    per_rank = [times for times, _ in gathered]
+    return {cfg: [[max(ts) for ts in zip(*rounds)] for rounds in zip(*(t[cfg] for t in per_rank))]
+            for cfg in CONFIGS}
+
+
+def global_losses(gathered: list, args: ModelArgs, microbatches: int) -> dict[Config, float]:
+    tokens = WORLD * microbatches * args.max_seq_len
+    return {cfg: sum(losses[cfg] for _, losses in gathered) / tokens for cfg in CONFIGS}
+
+
+# --- phase 2: peak RSS, one fresh set of processes per configuration ------------------------------
+def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: int, steps: int) -> dict:
+    mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
+    baseline = maxrss_mib()
+    runner = build(cfg, args, microbatches, mesh)
+    for step in range(steps):
+        runner.step(rank_batch(args, microbatches, step, rank))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (maxrss_mib(), baseline))
+    return {"peak": max(p for p, _ in gathered), "increment": max(p - b for p, b in gathered)}
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --- spawning ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            results.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, *args: Any) -> Any:
+    """fn(rank, WORLD, *args) on fresh gloo ranks; returns rank 0's (small) result."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited, so it is set before the children import torch
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_entry, args=(WORLD, _free_port(), fn, args, results), nprocs=WORLD, start_method="spawn")
+    return results.get()
+
+
+# --- report --------------------------------------------------------------------------------------
+def reference_of(cfg: Config) -> Config:
+    return Config("fsdp2", cfg.reshard)
+
+
+def ratio(times: dict[Config, list[list[float]]], cfg: Config) -> float:
+    ref = times[reference_of(cfg)]
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(times[cfg], ref))
+
+
+def comm_cell(ops: dict[str, dict[str, int]]) -> tuple[str, str]:
+    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    counts = ", ".join(f"{short.get(op, op)} {v['count']}" for op, v in ops.items())
+    return f"{sum(v['bytes'] for v in ops.values()) / 2**20:.2f}", counts
+
+
+def table(timing: dict, memory: dict[Config, dict]) -> str:
+    lines = [
+        "| config | step ms (median) | vs FSDP2 same reshard | comm MiB/step | collectives/step "
+        "| peak RSS MiB (max rank) | RSS increment MiB | loss, last step |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for cfg in CONFIGS:
+        flat = [t for rnd in timing["times"][cfg] for t in rnd]
+        mib, counts = comm_cell(timing["comm"][cfg])
+        mem = memory[cfg]
+        lines.append(
+            f"| {cfg.label} | {statistics.median(flat) * 1e3:.1f} | {ratio(timing['times'], cfg):.3f} | {mib} | {counts} "
+            f"| {mem['peak']:.0f} | {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 warmup step, 2 rounds of 1 step, 1 memory step")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps = 1, 2, 1, 1
+    args = model_args(opts.model, opts.seq)
+    timing = spawn(time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
+    memory = {cfg: spawn(peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
+    print(f"model {opts.model}, dp={WORLD} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
+          f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
+          f"after {opts.warmup} warmup; torch {torch.__version__}\n")
+    print(table(timing, memory))
+
+
+if __name__ == "__main__":
+    main()

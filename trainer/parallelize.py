@@ -1,0 +1,39 @@
+"""Apply the parallelisms to a freshly initialized fp32 model: activation checkpointing, then FSDP.
+
+The units are the embedding, each transformer block and the output head, in forward order. FSDP
+shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas (HSDP).
+"""
+
+import torch
+
+from model.transformer import Transformer
+from parallel.checkpointing import checkpoint_forward
+from parallel.fsdp import FSDPConfig, FSDPRoot, fully_shard
+from parallel.mesh import ParallelMesh
+from trainer.config import TrainConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def fsdp_unit_names(model: Transformer) -> list[str]:
+    return ["tok_embeddings", *(f"layers.{i}" for i in model.layers), "head"]
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    for block in model.layers.values():
+        if mode == "full":
+            checkpoint_forward(block)
+        elif mode == "selective":
+            checkpoint_forward(block.attention.core)
+
+
+def parallelize(model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype) -> FSDPRoot:
+    apply_activation_checkpointing(model, cfg.model.layer_ckpt)
+    fsdp_cfg = FSDPConfig(
+        compute_dtype=compute_dtype,
+        reduce_dtype=DTYPES[cfg.reduce_dtype],
+        reshard_after_forward=cfg.reshard_after_forward,
+        optimize_backward_concat=cfg.optimize_backward_concat,
+    )
+    replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
+    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg)
