@@ -120,7 +120,9 @@ class FSDPUnit:
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self, on_view_grads_done).views
-        if torch.is_grad_enabled() and not all(v.requires_grad for v in views):
+        # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
+        # would vanish without an error. Every view must have a grad_fn when grad is enabled.
+        if torch.is_grad_enabled() and any(v.grad_fn is None for v in views):
             raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
         for (sub, attr), view in zip(self._owners, views):
             setattr(sub, attr, view)

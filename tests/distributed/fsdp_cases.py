@@ -48,9 +48,13 @@ def reference_params(steps: int) -> dict[str, torch.Tensor]:
 
 
 def train_fsdp(cfg: FSDPConfig, shard_group, replicate_group, dp_rank: int, dp_size: int, microbatches: int,
-               steps: int, on_step=None) -> tuple[FSDPRoot, list[float]]:
-    """FSDP training with this rank's slice of each global batch, in `microbatches` pieces."""
+               steps: int, on_step=None, prepare=None) -> tuple[FSDPRoot, list[float]]:
+    """FSDP training with this rank's slice of each global batch, in `microbatches` pieces.
+
+    `prepare(model)` runs before sharding (e.g. to add activation checkpointing)."""
     model = make_model()
+    if prepare is not None:
+        prepare(model)
     root = fully_shard(model, UNITS, shard_group, replicate_group, cfg)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     per_rank = GLOBAL_BATCH // dp_size

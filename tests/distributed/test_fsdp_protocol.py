@@ -1,0 +1,150 @@
+"""The microbatch protocol: one concat per unit per step, bitwise on/off, no silent gradient loss,
+checkpointing without extra all-gathers, sharded memory, and the global grad norm."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import profile
+from torch.utils.checkpoint import checkpoint
+
+import parallel.fsdp.unit as fsdp_unit
+from parallel import comm
+from parallel.fsdp import FSDPConfig
+from tests.distributed.fsdp_cases import ARGS, GLOBAL_BATCH, SEQ, UNITS, global_batch, loss_sum, make_model, train_fsdp
+from tests.distributed.spawn import run_ranks
+from trainer.parallelize import apply_activation_checkpointing
+
+M = 4
+
+
+def _world_groups():
+    return dist.group.WORLD, None, dist.get_rank(), dist.get_world_size()
+
+
+def _concats_per_step(optimize: bool) -> int:
+    """SplitWithSizesBackward nodes the autograd engine executed in one step."""
+    shard, rep, rank, world = _world_groups()
+    with profile() as prof:
+        train_fsdp(FSDPConfig(optimize_backward_concat=optimize), shard, rep, rank, world, M, 1)
+    return sum(1 for e in prof.function_events if e.name == "SplitWithSizesBackward0")
+
+
+def _check_concats(rank: int, world: int) -> None:
+    assert _concats_per_step(optimize=True) == len(UNITS)
+    assert _concats_per_step(optimize=False) == len(UNITS) * M
+
+
+def _check_bitwise_on_off(rank: int, world: int) -> None:
+    shard, rep, rank, world = _world_groups()
+    for dtype, steps in ((torch.float32, 5), (torch.bfloat16, 2)):
+        for reshard in (False, True):
+            runs = [
+                train_fsdp(FSDPConfig(compute_dtype=dtype, reshard_after_forward=reshard, optimize_backward_concat=opt),
+                           shard, rep, rank, world, M, steps)
+                for opt in (False, True)
+            ]
+            assert runs[0][1] == runs[1][1], (dtype, reshard, runs[0][1], runs[1][1])
+            for a, b in zip(runs[0][0].units, runs[1][0].units):
+                assert torch.equal(a.flat_param, b.flat_param), (dtype, reshard, a.name)
+
+
+class _NoGradViews(fsdp_unit._DetachedViews):
+    """The hazard: views made entirely under no_grad have no grad_fn and silently drop gradients."""
+
+    def __init__(self, unit, on_done):
+        with torch.no_grad():
+            chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
+            self.views = [c.view(s) for c, s in zip(chunks, unit.spec.shapes)]
+
+
+def _check_no_grad_hazard_is_caught(rank: int, world: int) -> None:
+    shard, rep, rank, world = _world_groups()
+    original = fsdp_unit._DetachedViews
+    fsdp_unit._DetachedViews = _NoGradViews
+    try:
+        with pytest.raises(RuntimeError, match="lost their autograd edge"):
+            train_fsdp(FSDPConfig(optimize_backward_concat=True), shard, rep, rank, world, 2, 1)
+    finally:
+        fsdp_unit._DetachedViews = original
+
+
+class _CheckpointOutside(nn.Module):
+    """Checkpoint wrapped around an FSDP unit: recompute re-enters the unit's forward hooks."""
+
+    def __init__(self, unit_module: nn.Module):
+        super().__init__()
+        self.inner = unit_module
+
+    def forward(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _wrap_blocks_outside(model) -> None:
+    for i in list(model.layers):
+        block = model.layers[i]
+        model.layers[i] = _CheckpointOutside(block)
+        model.layers[i].inner = block  # the unit stays the block itself: its name is layers.i.inner
+
+
+def _check_checkpointing_adds_no_all_gather(rank: int, world: int) -> None:
+    shard, rep, rank, world = _world_groups()
+    for reshard in (False, True):
+        cfg = FSDPConfig(reshard_after_forward=reshard, optimize_backward_concat=True)
+        gathers, losses = {}, {}
+        for label, prepare in (("none", None), ("full", lambda m: apply_activation_checkpointing(m, "full")),
+                               ("selective", lambda m: apply_activation_checkpointing(m, "selective"))):
+            counts = []
+            _, losses[label] = train_fsdp(cfg, shard, rep, rank, world, M, 2, lambda s, r: counts.append(
+                comm.LEDGER.count("all_gather")), prepare)
+            gathers[label] = counts[-1]
+        assert gathers["none"] == len(UNITS) * (2 * M if reshard else 1)
+        assert gathers["full"] == gathers["selective"] == gathers["none"], gathers
+        assert losses["full"] == losses["selective"] == losses["none"]
+        _check_outside_placement(cfg, reshard)
+
+
+def _check_outside_placement(cfg: FSDPConfig, reshard: bool) -> None:
+    from parallel.fsdp import fully_shard
+
+    model = make_model()
+    _wrap_blocks_outside(model)
+    root = fully_shard(model, ["tok_embeddings", "layers.0.inner", "layers.1.inner", "head"], dist.group.WORLD, None, cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, targets = (t[rank * 8 : (rank + 1) * 8] for t in global_batch(0))
+    comm.LEDGER.reset()
+    for i, (x, y) in enumerate(zip(inputs.chunk(M), targets.chunk(M))):
+        root.set_microbatch(i == 0, i == M - 1)
+        (loss_sum(model, x, y) / (GLOBAL_BATCH * SEQ)).backward()
+    root.finish_gradient_sync()
+    assert comm.LEDGER.count("all_gather") == len(UNITS) * (2 * M if reshard else 1)
+
+
+def _check_memory_and_grad_norm(rank: int, world: int) -> None:
+    shard, rep, rank, world = _world_groups()
+    norms = []
+    root, _ = train_fsdp(FSDPConfig(), shard, rep, rank, world, M, 1, lambda s, r: norms.append(r.grad_norm()))
+    full_numel = sum(p.numel() for p in make_model().parameters())
+    local = sum(u.flat_param.numel() for u in root.units)
+    padding = sum(u.spec.padded - u.spec.total for u in root.units)
+    assert local * world == full_numel + padding and padding < len(UNITS) * world
+    assert all(u.flat_param.dtype == torch.float32 for u in root.units)
+    assert all(u.state is fsdp_unit.UnitState.SHARDED for u in root.units)  # nothing unsharded between steps
+    reference = make_model()
+    inputs, targets = global_batch(0)
+    (loss_sum(reference, inputs, targets) / (GLOBAL_BATCH * SEQ)).backward()
+    expected = torch.sqrt(sum(p.grad.pow(2).sum() for p in reference.parameters())).item()
+    assert norms[0] == pytest.approx(expected, rel=1e-5)
+
+
+def _all_checks(rank: int, world: int) -> None:
+    _check_concats(rank, world)
+    _check_bitwise_on_off(rank, world)
+    _check_no_grad_hazard_is_caught(rank, world)
+    _check_checkpointing_adds_no_all_gather(rank, world)
+    _check_memory_and_grad_norm(rank, world)
+
+
+def test_microbatch_protocol():
+    assert ARGS.n_layers == 2
+    run_ranks(2, _all_checks)
