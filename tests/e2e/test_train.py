@@ -1,6 +1,7 @@
 """torchrun train.py end to end: loss falls, layouts agree, resume and determinism are bitwise."""
 
 import math
+import shutil
 
 import pytest
 
@@ -11,39 +12,51 @@ FAST = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "lo
 CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops", "mem_peak_gib", "comm"}
 
 
+LAYOUTS = {  # name: (ranks, overrides); every layout sees the same 4-sequence global batch
+    "dp1": (1, ("batch_size=4",)),
+    "dp2": (2, ("batch_size=2", "reshard_after_forward=false")),
+    "dp4": (4, ("batch_size=1",)),
+    "hsdp2x2": (4, ("batch_size=1", "dp_replicate=2", "optimize_backward_concat=true")),
+}
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    """The same global batch (4 sequences) on dp=1, 2 and 4 ranks, 6 steps each."""
-    runs = {}
-    for nproc, batch in ((1, 4), (2, 2), (4, 1)):
-        dump = tmp_path_factory.mktemp(f"dp{nproc}")
-        runs[nproc] = train_ok(nproc, dump, *FAST, "steps=6", f"batch_size={batch}")
-    return runs
+    return {
+        name: train_ok(nproc, tmp_path_factory.mktemp(name), *FAST, "steps=6", *overrides)
+        for name, (nproc, overrides) in LAYOUTS.items()
+    }
 
 
-def test_loss_falls_on_1_2_4_ranks(layout_runs):
-    for nproc, records in layout_runs.items():
+def test_loss_falls_on_every_layout(layout_runs):
+    for name, records in layout_runs.items():
         assert [r["step"] for r in records] == list(range(1, 7))
-        assert records[-1]["loss"] < records[0]["loss"] - 0.3, (nproc, [r["loss"] for r in records])
+        assert records[-1]["loss"] < records[0]["loss"] - 0.3, (name, [r["loss"] for r in records])
 
 
 def test_layouts_give_the_same_losses(layout_runs):
-    reference = losses(layout_runs[1])
-    for nproc in (2, 4):
-        for step, loss in losses(layout_runs[nproc]).items():
-            assert math.isclose(loss, reference[step], rel_tol=1e-5), (nproc, step, loss, reference[step])
+    reference = losses(layout_runs["dp1"])
+    for name, records in layout_runs.items():
+        for step, loss in losses(records).items():
+            assert math.isclose(loss, reference[step], rel_tol=1e-5), (name, step, loss, reference[step])
 
 
 def test_metrics_contract(layout_runs):
-    for nproc, records in layout_runs.items():
+    # Per step, per FSDP unit (4 of them), M microbatches: ZeRO-3 all-gathers 2M times, ZeRO-2 once,
+    # each unit reduce-scatters once (HSDP: plus one replica all-reduce); then the grad-norm and loss
+    # all-reduces. One rank has no peers and communicates nothing.
+    units = 4
+    expected = {
+        "dp1": {},
+        "dp2": {"all_gather": units, "reduce_scatter": units, "all_reduce": 2},
+        "dp4": {"all_gather": units * 2, "reduce_scatter": units, "all_reduce": 2},
+        "hsdp2x2": {"all_gather": units * 2, "reduce_scatter": units, "all_reduce": units + 2},
+    }
+    for name, records in layout_runs.items():
         for r in records:
             assert CONTRACT_FIELDS <= r.keys()
             assert isinstance(r["loss"], float) and r["tokens_per_s"] > 0 and r["tflops"] > 0
-        # Per step with FSDP (ZeRO-3 by default) over 4 units and M microbatches: 2M all-gathers and one
-        # reduce-scatter per unit, plus the grad-norm and loss all-reduces; nothing without peers.
-        units, m = 4, 4 // nproc
-        expected = {} if nproc == 1 else {"all_gather": units * 2 * m, "reduce_scatter": units, "all_reduce": 2}
-        assert {op: v["count"] for op, v in records[-1]["comm"].items()} == expected
+        assert {op: v["count"] for op, v in records[-1]["comm"].items()} == expected[name], name
 
 
 def test_resume_is_bitwise(tmp_path):
@@ -56,6 +69,12 @@ def test_resume_is_bitwise(tmp_path):
     resumed = losses(metrics(resumed_dir))
     for step in (4, 5, 6):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
+    # The sharded checkpoint of 2 ranks also resumes on 4 (DCP reshards the flat DTensors).
+    relaid = tmp_path / "relaid"
+    shutil.copytree(resumed_dir / "checkpoints" / "step_3", relaid / "checkpoints" / "step_3")
+    train_ok(4, relaid, *FAST, "steps=6", "batch_size=1")
+    for step, loss in losses(metrics(relaid)).items():
+        assert math.isclose(loss, straight[step], rel_tol=1e-5), (step, loss, straight[step])
 
 
 def test_deterministic_runs_are_bitwise_identical(tmp_path):
