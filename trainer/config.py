@@ -99,13 +99,9 @@ class TrainConfig:
         return self.batch_size // self.microbatch_size
 
     def model_args(self) -> ModelArgs:
-        m = self.model
-        return ModelArgs(
-            name=m.name, n_layers=m.n_layers, dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            vocab_size=m.vocab_size, ffn_dim_multiplier=m.ffn_dim_multiplier, multiple_of=m.multiple_of,
-            norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_seq_len=self.seq_len,
-            efficient_attn=m.efficient_attn, attn_bias_type=m.attn_bias_type,
-        )
+        """The model-facing subset of `model.*`, plus the sequence length the RoPE tables must cover."""
+        shared = {f.name: getattr(self.model, f.name) for f in fields(ModelArgs) if hasattr(self.model, f.name)}
+        return ModelArgs(**shared, max_seq_len=self.seq_len)
 
 
 ENUMS = {

@@ -1,6 +1,9 @@
 """Build everything from a validated config and run training: the body of train.py."""
 
+import dataclasses
+import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +22,7 @@ from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
 from trainer.parallelize import DTYPES, parallelize
 from trainer.sampler import GlobalBatchSampler
+from trainer.tokenizer import Tokenizer
 from trainer.state import checkpoint_state, load_into
 
 
@@ -64,52 +68,56 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     mesh = ParallelMesh(dims, device.type)
     dump_dir = Path(cfg.dump_dir)
     dump_dir.mkdir(parents=True, exist_ok=True)
-    log = lambda msg: log0(launch.rank, msg)  # noqa: E731
-    tokenizer, tokens = prepare_dataset(
-        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
-        is_main_rank=launch.rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
-    )
-    sampler = GlobalBatchSampler(tokens.num_sequences(cfg.seq_len), cfg.batch_size * dims.dp, cfg.seed)
-    loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dims.dp, cfg.microbatch_size)
+    log = partial(log0, launch.rank)
+    tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
     model = build_model(cfg, device)
     fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
     optimizer = NamedAdamW(model, cfg.optim)
-    world = dist.group.WORLD
-    ckpt_root = dump_dir / "checkpoints"
-    state = lambda step: checkpoint_state(fsdp, optimizer, mesh.device_mesh("dp_shard_cp"), step, launch.rank)  # noqa: E731
-    start_step = _resume(cfg, state(0), ckpt_root, launch, world, log)
+    state = partial(checkpoint_state, fsdp, optimizer, mesh.device_mesh("dp_shard_cp"), rank=launch.rank)
+    start_step = _resume(cfg, state(step=0), dump_dir / "checkpoints", launch, log)
     trainer = Trainer(
         cfg, mesh, model, fsdp, optimizer, loader, device,
         flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
         peak_flops=device_peak_flops(device),
     )
-    metrics = MetricsLog(dump_dir, is_writer=launch.rank == 0, total_steps=cfg.steps)
-    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": dump_dir / "train_config.json"}
+    config_file = dump_dir / "train_config.json"
     if launch.rank == 0:
-        extra_files["train_config.json"].write_text(_config_json(cfg))
+        config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file}
+    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
+
+
+def _build_data(cfg: TrainConfig, mesh: ParallelMesh, rank: int, log) -> tuple[Tokenizer, BatchLoader]:
+    tokenizer, tokens = prepare_dataset(
+        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
+        is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
+    )
+    dp = mesh.dims.dp
+    sampler = GlobalBatchSampler(tokens.num_sequences(cfg.seq_len), cfg.batch_size * dp, cfg.seed)
+    return tokenizer, BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+
+
+def _fit(cfg: TrainConfig, trainer: Trainer, start_step: int, state, extra_files: dict, rank: int, log) -> None:
+    metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps)
+    ckpt_root = Path(cfg.dump_dir) / "checkpoints"
     for step in range(start_step + 1, cfg.steps + 1):
         m = trainer.train_step(step)
         if cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
             metrics.log(m)
         if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:
-            path = save_checkpoint(ckpt_root, step, state(step), world, launch.rank, extra_files)
-            if launch.rank == 0:
+            path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)
+            if rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
             log(f"saved checkpoint {path}")
 
 
-def _resume(cfg: TrainConfig, state: dict, root: Path, launch: LaunchEnv, group, log) -> int:
+def _resume(cfg: TrainConfig, state: dict, root: Path, launch: LaunchEnv, log) -> int:
+    """Load the newest complete checkpoint, if any; returns the step to continue after."""
     path = latest_checkpoint(root)
     if path is None:
         return 0
+    group = dist.group.WORLD
     verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
     step = load_into(path, state, group, launch.rank)
     log(f"resumed from {path} (step {step})")
     return step
-
-
-def _config_json(cfg: TrainConfig) -> str:
-    import dataclasses
-    import json
-
-    return json.dumps(dataclasses.asdict(cfg), indent=1)
