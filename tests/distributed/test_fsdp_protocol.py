@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import parallel.fsdp.unit as fsdp_unit
 from parallel import comm
 from parallel.fsdp import FSDPConfig
+from parallel.fsdp.hooks import in_backward
 from tests.distributed.fsdp_cases import ARGS, GLOBAL_BATCH, SEQ, UNITS, global_batch, loss_sum, make_model, train_fsdp
 from tests.distributed.spawn import run_ranks
 from trainer.parallelize import apply_activation_checkpointing
@@ -137,12 +138,51 @@ def _check_memory_and_grad_norm(rank: int, world: int) -> None:
     assert norms[0] == pytest.approx(expected, rel=1e-5)
 
 
+def _check_prefetch_and_bf16_bytes(rank: int, world: int) -> None:
+    """Each unit's all-gather is issued one unit ahead: in forward before the unit's forward runs, in
+    backward before the following unit (in forward order) finishes its backward. All-gathers move
+    compute-dtype (bf16) bytes, reduce-scatters reduce_dtype (fp32) bytes."""
+    shard, rep, rank, world = _world_groups()
+    events = []
+    originals = {name: getattr(fsdp_unit.FSDPUnit, name) for name in ("start_unshard", "reshard")}
+
+    def logged(name):
+        def method(unit):
+            if name != "start_unshard" or unit.state is fsdp_unit.UnitState.SHARDED:
+                events.append((name, unit.name, in_backward()))
+            return originals[name](unit)
+        return method
+
+    def log_forwards(model):
+        for unit_name in UNITS:
+            model.get_submodule(unit_name).register_forward_pre_hook(
+                lambda m, a, n=unit_name: events.append(("forward", n, False)))
+
+    for name in originals:
+        setattr(fsdp_unit.FSDPUnit, name, logged(name))
+    ledgers = []
+    try:
+        cfg = FSDPConfig(compute_dtype=torch.bfloat16, reshard_after_forward=True)
+        root, _ = train_fsdp(cfg, shard, rep, rank, world, 1, 1, lambda s, r: ledgers.append(comm.LEDGER.by_op()),
+                             log_forwards)
+    finally:
+        for name, method in originals.items():
+            setattr(fsdp_unit.FSDPUnit, name, method)
+    for earlier, later in zip(UNITS, UNITS[1:]):
+        assert events.index(("start_unshard", later, False)) < events.index(("forward", later, False)), events
+        assert events.index(("start_unshard", earlier, True)) < events.index(("reshard", later, True)), events
+    padded = sum(u.spec.padded for u in root.units)
+    assert ledgers[0]["all_gather"]["bytes"] == 2 * padded * 2  # bf16, forward + backward (ZeRO-3, M=1)
+    assert ledgers[0]["reduce_scatter"]["bytes"] == 4 * padded  # fp32
+
+
 def _all_checks(rank: int, world: int) -> None:
     _check_concats(rank, world)
     _check_bitwise_on_off(rank, world)
     _check_no_grad_hazard_is_caught(rank, world)
     _check_checkpointing_adds_no_all_gather(rank, world)
     _check_memory_and_grad_norm(rank, world)
+    _check_prefetch_and_bf16_bytes(rank, world)
 
 
 def test_microbatch_protocol():
