@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 
 
 class RotaryEmbedding(nn.Module):
@@ -65,16 +66,20 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Column-parallel q/k/v (each TP rank owns whole heads: n_heads/tp query heads and the
+    n_kv_heads/tp KV heads they share), row-parallel output projection."""
+
+    def __init__(self, args: ModelArgs, tp: TPContext):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.tp, self.head_dim = tp, args.head_dim
         self.core = AttentionCore(args.efficient_attn)
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = ColumnParallelLinear(args.dim, args.n_heads * args.head_dim, tp)
+        self.wk = ColumnParallelLinear(args.dim, args.n_kv_heads * args.head_dim, tp)
+        self.wv = ColumnParallelLinear(args.dim, args.n_kv_heads * args.head_dim, tp)
+        self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.tp.enter(x)
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
+from parallel.tensor_parallel import TPContext
 
 _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
@@ -40,7 +41,21 @@ def full_init_value(name: str, shape: torch.Size, args: ModelArgs, seed: int) ->
     return value
 
 
+def full_shape(param: torch.Tensor, tp: TPContext) -> torch.Size:
+    """The unsharded shape of a (possibly TP-sharded) parameter."""
+    dim = getattr(param, "tp_dim", None)
+    if dim is None:
+        return param.shape
+    shape = list(param.shape)
+    shape[dim] *= tp.size
+    return torch.Size(shape)
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, args: ModelArgs, seed: int) -> None:
+def init_weights(model: nn.Module, args: ModelArgs, seed: int, tp: TPContext | None = None) -> None:
+    """Each rank draws the full value and keeps its TP slice of it."""
+    tp = tp or TPContext()
     for name, param in model.named_parameters():
-        param.copy_(full_init_value(name, param.shape, args, seed))
+        value = full_init_value(name, full_shape(param, tp), args, seed)
+        dim = getattr(param, "tp_dim", None)
+        param.copy_(value if dim is None else value.chunk(tp.size, dim=dim)[tp.rank])

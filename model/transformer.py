@@ -9,6 +9,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.attention import Attention, RotaryEmbedding
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -25,24 +26,30 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """SwiGLU with column-parallel gate/up and a row-parallel down projection."""
+
+    def __init__(self, dim: int, hidden_dim: int, tp: TPContext):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.tp = tp
+        self.w1 = ColumnParallelLinear(dim, hidden_dim, tp)  # gate
+        self.w3 = ColumnParallelLinear(dim, hidden_dim, tp)  # up
+        self.w2 = RowParallelLinear(hidden_dim, dim, tp)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.enter(x)
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    """Pre-norm block; under sequence parallelism the norms and residual adds see 1/tp of the tokens."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, tp)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -50,28 +57,31 @@ class TransformerBlock(nn.Module):
 
 
 class OutputHead(nn.Module):
-    """Final norm + untied vocabulary projection: one module so it can be one FSDP unit."""
+    """Final norm + untied vocabulary projection: one module so it can be one FSDP unit. The
+    projection is column-parallel over the vocabulary: logits stay vocab-sharded (never gathered)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TPContext):
         super().__init__()
+        self.tp = tp
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = ColumnParallelLinear(args.dim, args.vocab_size, tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(h))
+        return self.output(self.tp.enter(self.norm(h)))
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TPContext | None = None):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tp = tp or TPContext()
+        self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.head = OutputHead(args)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp) for i in range(args.n_layers)})
+        self.head = OutputHead(args, self.tp)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab] in the compute dtype."""
+        """tokens [batch, seq] -> logits [batch, seq, vocab/tp] in the compute dtype."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens)

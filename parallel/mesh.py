@@ -92,6 +92,10 @@ class ParallelMesh:
         """The 1-D device mesh of a dimension or flattened group (for DTensor state dicts)."""
         return self._flat[name] if name in self._flat else self.mesh[name]
 
+    def shard_tp_mesh(self) -> DeviceMesh:
+        """The 2-D (dp_shard_cp, tp) mesh that FSDP state dicts live on."""
+        return self.mesh["dp_shard_cp", "tp"]
+
     def rank_in(self, name: str) -> int:
         if name in self._flat:
             return self._flat[name].get_local_rank()

@@ -116,7 +116,6 @@ ENUMS = {
 
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
-    ("model_parallel_size", 1),
     ("pipeline_parallel_size", 1),
     ("context_parallel_size", 1),
     ("num_layers_per_virtual_pipeline_stage", None),
@@ -124,7 +123,6 @@ NOT_SUPPORTED_YET = (
     ("dump_profile_traces", False),
     ("profile_with_stack", False),
     ("mem_snapshot_stop_step", None),
-    ("model.sequence_parallel", False),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),
     ("model.use_fp8", False),

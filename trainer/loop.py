@@ -12,21 +12,21 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
 from parallel.fsdp import FSDPRoot
 from parallel.mesh import ParallelMesh
+from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
 from trainer.metrics import StepMetrics, peak_memory_gib
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over all tokens, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
+    """Sum of next-token cross-entropy over all tokens, in fp32, from (vocab-sharded) logits."""
+    return vocab_parallel_cross_entropy(logits, targets, tp or TPContext()).sum()
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Trainer:
         for i, (inputs, targets) in enumerate(microbatches):
             self.fsdp.set_microbatch(is_first=i == 0, is_last=i == len(microbatches) - 1)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            mb_loss = token_loss_sum(self.model(inputs), targets)
+            mb_loss = token_loss_sum(self.model(inputs), targets, self.model.tp)
             (mb_loss / self.global_tokens).backward()
             loss_sum += mb_loss.detach().double()
         return loss_sum

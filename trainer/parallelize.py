@@ -1,4 +1,4 @@
-"""Apply the parallelisms to a freshly initialized fp32 model: activation checkpointing, then FSDP.
+"""Apply the parallelisms: TP shapes the model as it is built; then activation checkpointing and FSDP.
 
 The units are the embedding, each transformer block and the output head, in forward order. FSDP
 shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas (HSDP).
@@ -8,8 +8,9 @@ import torch
 
 from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
-from parallel.fsdp import FSDPConfig, FSDPRoot, fully_shard
+from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
+from parallel.tensor_parallel import TPContext
 from trainer.config import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -27,7 +28,13 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
             checkpoint_forward(block.attention.core)
 
 
+def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
+    """Built before the model: TP decides the local parameter shapes."""
+    return TPContext(mesh.group("tp"), cfg.model.sequence_parallel)
+
+
 def parallelize(model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype) -> FSDPRoot:
+    """Activation checkpointing, then FSDP over the (already TP-local) parameters."""
     apply_activation_checkpointing(model, cfg.model.layer_ckpt)
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,
@@ -36,4 +43,5 @@ def parallelize(model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, comput
         optimize_backward_concat=cfg.optimize_backward_concat,
     )
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
-    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg)
+    tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)
+    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group
+from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
@@ -20,7 +21,7 @@ from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
-from trainer.parallelize import DTYPES, parallelize
+from trainer.parallelize import DTYPES, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler
 from trainer.tokenizer import Tokenizer
 from trainer.state import checkpoint_state, load_into
@@ -38,11 +39,12 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
-    """Full fp32 weights from the seed alone (layout-independent); FSDP casts to the compute dtype."""
+def build_model(cfg: TrainConfig, device: torch.device, tp: TPContext) -> Transformer:
+    """TP-local slices of full fp32 weights drawn from the seed alone (layout-independent); FSDP casts
+    to the compute dtype."""
     args = cfg.model_args()
-    model = Transformer(args)
-    init_weights(model, args, cfg.seed)
+    model = Transformer(args, tp)
+    init_weights(model, args, cfg.seed, tp)
     return model.to(device=device)
 
 
@@ -70,10 +72,10 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     dump_dir.mkdir(parents=True, exist_ok=True)
     log = partial(log0, launch.rank)
     tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, tp_context(cfg, mesh))
     fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
     optimizer = NamedAdamW(model, cfg.optim)
-    state = partial(checkpoint_state, fsdp, optimizer, mesh.device_mesh("dp_shard_cp"), rank=launch.rank)
+    state = partial(checkpoint_state, fsdp, optimizer, mesh.shard_tp_mesh(), rank=launch.rank)
     start_step = _resume(cfg, state(step=0), dump_dir / "checkpoints", launch, log)
     trainer = Trainer(
         cfg, mesh, model, fsdp, optimizer, loader, device,

@@ -15,6 +15,7 @@ from model.transformer import Transformer
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.flat_param import FlatParamSpec, unflatten
 from parallel.fsdp.state_dict import shard_as_dtensor
+from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import checkpoint_keys, load_checkpoint
 from trainer.config import TrainConfig
 from trainer.optimizer import ADAM_STATE, NamedAdamW
@@ -52,14 +53,24 @@ def load_into(path: Path, state: dict, group, rank: int) -> int:
 
 
 def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools)."""
+    """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools).
+
+    Each unit's [tp, flat] tensor is unflattened per TP rank (with that rank's local shapes) and the
+    TP slices are concatenated along each parameter's split dim; TP-replicated ones come from rank 0.
+    """
+    tp_size = cfg.model_parallel_size
     with torch.device("meta"):
-        model = Transformer(cfg.model_args())
-    specs = {name: FlatParamSpec.of_module(model.get_submodule(name), world=1) for name in fsdp_unit_names(model)}
-    state = {"model": {f"{name}.flat_param": torch.empty(spec.total) for name, spec in specs.items()}}
+        ranks = [Transformer(cfg.model_args(), TPContext(size=tp_size, rank=r)) for r in range(tp_size)]
+    names = fsdp_unit_names(ranks[0])
+    specs = {name: [FlatParamSpec.of_module(m.get_submodule(name), world=1) for m in ranks] for name in names}
+    state = {"model": {f"{name}.flat_param": torch.empty(tp_size, s[0].total) for name, s in specs.items()}}
     load_checkpoint(path, state, group=None)
     weights = {}
-    for name, spec in specs.items():
+    for name in names:
         flat = state["model"][f"{name}.flat_param"]
-        weights.update({f"{name}.{n}": t for n, t in unflatten(flat, spec).items()})
+        slices = [unflatten(flat[r], specs[name][r]) for r in range(tp_size)]
+        split_dims = {n: getattr(p, "tp_dim", None) for n, p in ranks[0].get_submodule(name).named_parameters()}
+        for param, dim in split_dims.items():
+            parts = [rank_slices[param] for rank_slices in slices]
+            weights[f"{name}.{param}"] = parts[0] if dim is None else torch.cat(parts, dim=dim)
     return weights

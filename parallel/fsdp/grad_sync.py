@@ -3,7 +3,8 @@
 Non-last microbatches only accumulate into the fp32 unsharded accumulator. The last microbatch runs
 the post-backward path once per unit per step:
 
-    unsharded_grad -> reduce_scatter_grad -> (HSDP) start_replica_all_reduce -> accumulate_shard_grad
+    unsharded_grad -> (SP) sum_partial_grads_over_tp -> reduce_scatter_grad
+                   -> (HSDP) start_replica_all_reduce -> accumulate_shard_grad
 
 and `finalize` (at the end of the step's backward) waits for the asynchronous replica all-reduces.
 Gradients arrive already scaled by the global token count, so every reduction is a SUM.
@@ -36,6 +37,20 @@ def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor) -> torch.Tensor:
     return unit.grad_accumulator
 
 
+def sum_partial_grads_over_tp(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor:
+    """Sequence parallel: TP-replicated parameters (norm weights) saw 1/tp of the tokens on each TP
+    rank, so their gradient slices are partial sums; add them up over TP (one all-reduce per unit)."""
+    if not (unit.tp.sequence_parallel and unit.tp.size > 1 and unit.tp_replicated):
+        return flat_grad
+    parts = torch.cat([flat_grad[o : o + n] for o, n in unit.tp_replicated])
+    comm.all_reduce(parts, unit.tp.group)
+    start = 0
+    for offset, numel in unit.tp_replicated:
+        flat_grad[offset : offset + numel] = parts[start : start + numel]
+        start += numel
+    return flat_grad
+
+
 def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor:
     """Sum over the shard group, in reduce_dtype; returns this rank's shard of the sum."""
     flat_grad = flat_grad.to(unit.cfg.reduce_dtype)
@@ -62,7 +77,7 @@ def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
 
 def post_backward(unit: FSDPUnit, grad: torch.Tensor) -> None:
     """Last microbatch: reduce the step's gradient of this unit, once."""
-    shard_grad = reduce_scatter_grad(unit, unsharded_grad(unit, grad))
+    shard_grad = reduce_scatter_grad(unit, sum_partial_grads_over_tp(unit, unsharded_grad(unit, grad)))
     if unit.replicate_group is not None and unit.replicate_group.size() > 1:
         start_replica_all_reduce(unit, shard_grad)
     else:

@@ -12,7 +12,7 @@ from torch.distributed import ProcessGroup
 from parallel import comm
 from parallel.fsdp.grad_sync import finalize
 from parallel.fsdp.hooks import register_hooks
-from parallel.fsdp.unit import FSDPConfig, FSDPUnit, UnitState
+from parallel.fsdp.unit import FSDPConfig, FSDPUnit, TPGroups, UnitState
 
 
 class FSDPRoot:
@@ -48,22 +48,29 @@ class FSDPRoot:
                 )
 
     def grad_norm(self) -> float:
-        """Global L2 norm of all units' gradients: shards are disjoint, so square-sums add over the group."""
+        """Global L2 norm of all gradients: shards are disjoint over the shard group, TP slices over TP
+        (TP-replicated parameters counted once), so square-sums add over both groups."""
         total = torch.zeros((), dtype=torch.float32, device=self.units[0].flat_param.device)
         for unit in self.units:
             if unit.flat_param.grad is not None:
-                total += unit.flat_param.grad.pow(2).sum()
+                squares = unit.flat_param.grad.pow(2)
+                mask = unit.norm_mask()
+                total += (squares if mask is None else squares * mask).sum()
         if self.shard_group.size() > 1:
             comm.all_reduce(total, self.shard_group)
+        tp = self.units[0].tp
+        if tp.size > 1:
+            comm.all_reduce(total, tp.group)
         return total.sqrt().item()
 
 
 def fully_shard(
     model: nn.Module, unit_names: list[str], shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-    cfg: FSDPConfig,
+    cfg: FSDPConfig, tp: TPGroups | None = None,
 ) -> FSDPRoot:
-    """Turn each named submodule (forward order) into an FSDP unit; every parameter must be in one."""
-    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg) for name in unit_names]
+    """Turn each named submodule (forward order) into an FSDP unit; every parameter must be in one.
+    Parameters are the TP-local ones; those marked `tp_dim=None` (or unmarked) are TP-replicated."""
+    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp) for name in unit_names]
     stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
     if stray:
         raise ValueError(f"parameters outside every FSDP unit: {', '.join(stray)}")

@@ -31,6 +31,23 @@ class UnitState(Enum):
 
 
 @dataclass(frozen=True)
+class TPGroups:
+    """What FSDP needs of tensor parallelism: the group, and whether replicated parameters see only a
+    sequence slice (SP), so their gradients are partial sums over TP."""
+
+    group: ProcessGroup | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
+
+
+@dataclass(frozen=True)
 class FSDPConfig:
     compute_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
@@ -49,14 +66,19 @@ def _allocate(t: torch.Tensor) -> None:
 class FSDPUnit:
     def __init__(
         self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-        cfg: FSDPConfig,
+        cfg: FSDPConfig, tp: TPGroups | None = None,
     ):
         self.name, self.module, self.cfg = name, module, cfg
         self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.tp = tp or TPGroups()
         self.rank = shard_group.rank()
         self.spec = FlatParamSpec.of_module(module, shard_group.size())
         owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.spec.names]
         params = [getattr(sub, attr) for sub, attr in owners]
+        # Parameters not split over TP (norm weights): their slices of the flat parameter.
+        self.tp_replicated = [
+            (offset, p.numel()) for offset, p in zip(self.spec.offsets(), params) if getattr(p, "tp_dim", None) is None
+        ]
         self.flat_param = nn.Parameter(shard_of(flatten(params, self.spec), self.spec, self.rank))
         for sub, attr in owners:
             del sub._parameters[attr]
@@ -77,6 +99,17 @@ class FSDPUnit:
     @property
     def full(self) -> torch.Tensor:
         return self._full
+
+    def norm_mask(self) -> torch.Tensor | None:
+        """Which of this rank's shard elements count toward the global grad norm: TP-replicated
+        parameters are counted on TP rank 0 only. None means all of them."""
+        if self.tp.rank == 0 or not self.tp_replicated:
+            return None
+        mask = torch.ones(self.spec.padded, device=self.flat_param.device)
+        for offset, numel in self.tp_replicated:
+            mask[offset : offset + numel] = 0.0
+        size = self.spec.shard_size
+        return mask[self.rank * size : (self.rank + 1) * size]
 
     # --- state transitions -------------------------------------------------------------------
     def start_unshard(self) -> None:

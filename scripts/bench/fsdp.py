@@ -2,10 +2,13 @@
 
 Same model (conf/model/{tiny,small}.yaml), same weights, same data; fp32, 1 thread per rank, microbatch
 size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`;
-FSDP2: `set_requires_gradient_sync` / `set_is_last_backward`; DDP: `no_sync()`). With
-reshard_after_forward=False, FSDP2 also gets `set_reshard_after_backward(is_last)` so that, like ours,
-it keeps parameters unsharded across the step's microbatches (its documented gradient-accumulation
-setting) instead of re-gathering per microbatch.
+FSDP2: `set_requires_gradient_sync`; DDP: `no_sync()`). With reshard_after_forward=False, FSDP2 also
+gets `set_reshard_after_backward(is_last)` so that, like ours, it keeps parameters unsharded across the
+step's microbatches instead of re-gathering per microbatch. FSDP2 does not get
+`set_is_last_backward(is_last)`: on CPU it saves nothing (no reduce-scatter is pending on non-last
+microbatches) and in torch 2.13 it costs one wasted all-gather per step: the backward-prefetch order
+is only cleared on a last backward, so on the last microbatch the embedding's prefetch targets the
+previous microbatch's head, re-gathers it after its reshard, and finalize discards it.
 
 Timing: every configuration lives in the same 4 processes and they run interleaved by rounds (each
 round: K steps of each configuration, the order rotating per round), so machine noise hits them alike.
@@ -16,10 +19,11 @@ resharding: both keep full parameters through the step).
 Bytes per step use the ledger convention (parallel/comm.py: gathered output for all-gather, unreduced
 input for reduce-scatter, the tensor for all-reduce), not wire bytes. Ours: `parallel.comm.LEDGER`.
 FSDP2: measured by wrapping `torch.distributed.all_gather_single` / `reduce_scatter_single` (what FSDP2
-calls) in this script only. DDP: its C++ reducer bypasses Python, so one all-reduce per bucket, sizes
-taken from DDP's own logging data (`bucket_sizes`), valid because every parameter gets a gradient.
+calls; the older names before torch 2.13) in this script only. DDP: its C++ reducer bypasses Python,
+so one all-reduce per bucket, sizes taken from DDP's own logging data (`rebuilt_bucket_sizes`, the
+layout after its first step), valid because every parameter gets a gradient.
 
-Memory: ru_maxrss is a process-wide high-water mark that cannot be reset, so in the shared timing
+Memory: ru_maxrss is a process-wide high-water mark with no portable reset, so in the shared timing
 processes it would only show the largest configuration. Peak RSS is therefore measured in fresh
 processes, one spawn per configuration; the table gives the max over ranks of the peak, and of the
 increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline). The
@@ -106,9 +110,12 @@ def _counted(op: str, fn: Callable, position: int, keyword: str) -> Callable:
 
 
 def count_torch_collectives() -> None:
-    """parallel.comm bound the originals at import, so our FSDP's calls are not counted twice."""
-    dist.all_gather_single = _counted("all_gather", dist.all_gather_single, 0, "output_tensor")
-    dist.reduce_scatter_single = _counted("reduce_scatter", dist.reduce_scatter_single, 1, "input")
+    """Wrap the names FSDP2 calls (torch 2.13 renamed them). parallel.comm bound the originals at import,
+    so our FSDP's calls are not counted twice."""
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    setattr(dist, gather, _counted("all_gather", getattr(dist, gather), 0, "output_tensor"))
+    setattr(dist, scatter, _counted("reduce_scatter", getattr(dist, scatter), 1, "input"))
 
 
 # --- one configuration: model, optimizer, microbatch protocol -------------------------------------
@@ -177,7 +184,6 @@ class FSDP2(Runner):
 
     def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
         self.model.set_requires_gradient_sync(is_last)
-        self.model.set_is_last_backward(is_last)
         if not self.reshard:
             self.model.set_reshard_after_backward(is_last)
         return nullcontext()
@@ -191,8 +197,9 @@ class DDP(Runner):
         return nullcontext() if is_last else self.model.no_sync()
 
     def comm(self) -> dict[str, dict[str, int]]:
-        """One all-reduce per gradient bucket, as laid out by DDP's reducer."""
-        buckets = [int(b) for b in self.model._get_ddp_logging_data()["bucket_sizes"].split(",")]
+        """One all-reduce per gradient bucket, as laid out by DDP's reducer (rebuilt after its first step)."""
+        data = self.model._get_ddp_logging_data()
+        buckets = [int(b) for b in data.get("rebuilt_bucket_sizes", data["bucket_sizes"]).split(",")]
         return {"all_reduce": {"count": len(buckets), "bytes": sum(buckets)}}
 
 
@@ -335,8 +342,8 @@ def table(timing: dict, memory: dict[Config, dict]) -> str:
         mib, counts = comm_cell(timing["comm"][cfg])
         mem = memory[cfg]
         lines.append(
-            f"| {cfg.label} | {statistics.median(flat) * 1e3:.1f} | {ratio(timing['times'], cfg):.3f} | {mib} | {counts} "
-            f"| {mem['peak']:.0f} | {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
+            f"| {cfg.label} | {statistics.median(flat) * 1e3:.1f} | {ratio(timing['times'], cfg):.3f} | {mib} "
+            f"| {counts} | {mem['peak']:.0f} | {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
         )
     return "\n".join(lines)
 

@@ -95,6 +95,6 @@ def full_params(root: FSDPRoot) -> dict[str, torch.Tensor]:
     out = {}
     for unit in root.units:
         flat = torch.empty(unit.spec.padded)
-        dist.all_gather_into_tensor(flat, unit.flat_param.detach(), group=unit.shard_group)
+        comm.all_gather_into_tensor(flat, unit.flat_param.detach(), unit.shard_group)
         out.update({f"{unit.name}.{n}": t for n, t in unflatten(flat, unit.spec).items()})
     return out

@@ -1,26 +1,20 @@
 """Run a function on N gloo ranks in fresh processes (one process group per test, torchrun-free)."""
 
 import os
-import socket
+import tempfile
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+def _entry(rank: int, world: int, store_file: str, fn, args, errors) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store: no TCP port to pick, so no race with other jobs grabbing the same port.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -34,8 +28,10 @@ def run_ranks(world: int, fn, *args) -> None:
     """fn(rank, world, *args) on every rank; re-raises the first rank's failure with its traceback."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors), nprocs=world, start_method="spawn")
-    except Exception as e:
-        detail = errors.get() if not errors.empty() else str(e)
-        raise AssertionError(detail) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(_entry, args=(world, f"{tmp}/store", fn, args, errors), nprocs=world,
+                               start_method="spawn")
+        except Exception as e:
+            detail = errors.get() if not errors.empty() else str(e)
+            raise AssertionError(detail) from None

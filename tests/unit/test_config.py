@@ -62,9 +62,9 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 
 UNBUILT_VALUES = {
-    "model_parallel_size": "2", "pipeline_parallel_size": "2", "context_parallel_size": "2",
+    "pipeline_parallel_size": "2", "context_parallel_size": "2",
     "num_layers_per_virtual_pipeline_stage": "1", "profile_freq": "5", "dump_profile_traces": "true",
-    "profile_with_stack": "true", "mem_snapshot_stop_step": "3", "model.sequence_parallel": "true",
+    "profile_with_stack": "true", "mem_snapshot_stop_step": "3",
     "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
     "model.use_fp8": "true", "model.fp8_wgrad": "false",
     "optim.use_fp32_copy_optim": "false",

@@ -1,0 +1,238 @@
+"""Megatron tensor parallelism with sequence parallelism, as explicit autograd functions.
+
+Regions (tp = the tensor-parallel group; seq is dim 1 of [batch, seq, hidden] activations):
+
+    copy_to_tp       forward identity,            backward all-reduce      (input of column-parallel, no SP)
+    reduce_from_tp   forward all-reduce,          backward identity        (output of row-parallel, no SP)
+    gather_from_sp   forward all-gather seq,      backward reduce-scatter  (input of column-parallel, SP)
+    scatter_to_sp    forward reduce-scatter seq,  backward all-gather      (output of row-parallel, SP)
+    split_to_sp      forward keep own seq chunk,  backward all-gather      (enter SP from replicated input)
+
+Column-parallel linears own a slice of the output features, row-parallel ones a slice of the input
+features; a block therefore communicates twice forward and twice backward. Every collective goes
+through parallel/comm.py.
+"""
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from parallel import comm
+
+SEQ_DIM = 1
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    comm.all_reduce(x, group)
+    return x
+
+
+def _all_gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[b, s/tp, h] -> [b, s, h]: gather along seq (done on a seq-major copy, as collectives need dim 0)."""
+    world = group.size()
+    local = x.transpose(0, SEQ_DIM).contiguous()
+    out = torch.empty((local.shape[0] * world, *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into_tensor(out, local, group)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[b, s, h] partial sums -> [b, s/tp, h] of the summed tensor."""
+    world = group.size()
+    full = x.transpose(0, SEQ_DIM).contiguous()
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_tensor(out, full, group)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.chunk(group.size(), dim=SEQ_DIM)[group.rank()].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _SplitToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group.size() > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if group.size() > 1 else x
+
+
+def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _GatherFromSP.apply(x, group) if group.size() > 1 else x
+
+
+def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ScatterToSP.apply(x, group) if group.size() > 1 else x
+
+
+def split_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _SplitToSP.apply(x, group) if group.size() > 1 else x
+
+
+class TPContext:
+    """The TP group and whether activations between TP regions are sequence-split.
+
+    Offline tools (export, shape inspection) build one with a size and rank but no group.
+    """
+
+    def __init__(self, group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 size: int | None = None, rank: int | None = None):
+        self.group = group
+        self.size = size if size is not None else (1 if group is None else group.size())
+        self.rank = rank if rank is not None else (0 if group is None else group.rank())
+        self.sequence_parallel = sequence_parallel and self.size > 1
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Into a column-parallel region: the full sequence, replicated."""
+        if self.size == 1:
+            return x
+        return gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+    def exit(self, partial_sum: torch.Tensor) -> torch.Tensor:
+        """Out of a row-parallel region: sum the partial results (seq-split under SP)."""
+        if self.size == 1:
+            return partial_sum
+        return scatter_to_sp(partial_sum, self.group) if self.sequence_parallel else reduce_from_tp(partial_sum, self.group)
+
+
+def mark_tp_dim(param: nn.Parameter, dim: int | None) -> nn.Parameter:
+    """Record which dim of a parameter is split over TP (None: replicated); init and export read it."""
+    param.tp_dim = dim
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/tp] = x @ W_local^T, W_local = rows [rank*out/tp, (rank+1)*out/tp) of the full W."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features // tp.size, in_features)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x must already be in the TP region (TPContext.enter), so several linears can share one entry."""
+        return nn.functional.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Partial y = x[..., in/tp] @ W_local^T, W_local = columns [rank*in/tp, ...) of the full W."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features, in_features // tp.size)), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.exit(nn.functional.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds rows [rank*V/tp, (rank+1)*V/tp) of the table; out-of-range tokens give zeros
+    and the partial embeddings are summed on the way out of the region (seq-split under SP)."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.vocab_start = tp.rank * vocab_size // tp.size
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(vocab_size // tp.size, dim)), 0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(tokens, self.weight)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded logits without gathering them: max, sum-exp and the target
+    logit are reduced over TP; the backward (softmax - onehot) is purely local."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start):
+        logits = logits.float()
+        logits_max = logits.max(dim=-1).values
+        comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local = targets - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        comm.all_reduce(sums, group)
+        sum_exp, target_logit = sums[0], sums[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Per-token loss from [..., V/tp] logits and [...] global target ids, numerically stable."""
+    if tp.size == 1:
+        flat = logits.float().flatten(0, -2)
+        return nn.functional.cross_entropy(flat, targets.flatten(), reduction="none").view(targets.shape)
+    vocab_start = tp.rank * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp.group, vocab_start)
