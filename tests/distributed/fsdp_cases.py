@@ -2,14 +2,14 @@
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel import comm
-from parallel.fsdp import FSDPConfig, FSDPRoot, fully_shard
+from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.fsdp.flat_param import unflatten
+from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 
 ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 GLOBAL_BATCH, SEQ = 16, 8
@@ -19,9 +19,9 @@ UNITS = ["tok_embeddings", "layers.0", "layers.1", "head"]
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
 
 
-def make_model() -> Transformer:
-    model = Transformer(ARGS)
-    init_weights(model, ARGS, seed=3)
+def make_model(tp: TPContext | None = None) -> Transformer:
+    model = Transformer(ARGS, tp)
+    init_weights(model, ARGS, seed=3, tp=tp)
     return model
 
 
@@ -32,7 +32,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_sum(model, inputs, targets) -> torch.Tensor:
-    return F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return vocab_parallel_cross_entropy(model(inputs), targets, model.tp).sum()
 
 
 def reference_params(steps: int) -> dict[str, torch.Tensor]:
@@ -48,14 +48,14 @@ def reference_params(steps: int) -> dict[str, torch.Tensor]:
 
 
 def train_fsdp(cfg: FSDPConfig, shard_group, replicate_group, dp_rank: int, dp_size: int, microbatches: int,
-               steps: int, on_step=None, prepare=None) -> tuple[FSDPRoot, list[float]]:
-    """FSDP training with this rank's slice of each global batch, in `microbatches` pieces.
-
-    `prepare(model)` runs before sharding (e.g. to add activation checkpointing)."""
-    model = make_model()
+               steps: int, on_step=None, prepare=None, tp: TPContext | None = None) -> tuple[FSDPRoot, list[float]]:
+    """FSDP (over TP-local parameters when `tp` is given) with this rank's slice of each global
+    batch, in `microbatches` pieces. `prepare(model)` runs before sharding (e.g. checkpointing)."""
+    model = make_model(tp)
     if prepare is not None:
         prepare(model)
-    root = fully_shard(model, UNITS, shard_group, replicate_group, cfg)
+    tp_groups = TPGroups(tp.group, tp.sequence_parallel) if tp is not None else None
+    root = fully_shard(model, UNITS, shard_group, replicate_group, cfg, tp_groups)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     per_rank = GLOBAL_BATCH // dp_size
     losses = []
@@ -91,10 +91,21 @@ def assert_params_close(got: dict, reference: dict, rel: float, label: str) -> N
 
 
 def full_params(root: FSDPRoot) -> dict[str, torch.Tensor]:
-    """All-gather every unit's shard and unflatten to {full parameter name: tensor}."""
+    """All-gather every unit's shard, unflatten, and join TP slices: {full parameter name: tensor}."""
+    tp = root.units[0].tp
+    with torch.device("meta"):
+        tp_dims = {n: getattr(p, "tp_dim", None) for n, p in Transformer(ARGS, TPContext(size=tp.size)).named_parameters()}
     out = {}
     for unit in root.units:
         flat = torch.empty(unit.spec.padded)
         comm.all_gather_into_tensor(flat, unit.flat_param.detach(), unit.shard_group)
-        out.update({f"{unit.name}.{n}": t for n, t in unflatten(flat, unit.spec).items()})
+        for name, local in unflatten(flat, unit.spec).items():
+            full_name = f"{unit.name}.{name}"
+            out[full_name] = local if tp.size == 1 or tp_dims[full_name] is None else _gather_tp(local, tp, tp_dims[full_name])
     return out
+
+
+def _gather_tp(local: torch.Tensor, tp: TPGroups, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=dim)

@@ -8,8 +8,10 @@ from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import RMSNorm, Transformer
 from parallel import comm
+from parallel.fsdp import FSDPConfig
 from parallel.mesh import ParallelDims, ParallelMesh
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from tests.distributed import fsdp_cases
 from tests.distributed.spawn import run_ranks
 
 # GQA with 8 query heads over 4 KV heads: at tp=4 each rank owns 2 query heads and their 1 KV head.
@@ -119,7 +121,26 @@ def _check_activation_memory(rank: int, world: int) -> None:
         assert _saved_by_norms(TPContext(group, sequence_parallel=False)) == full
 
 
+def _check_tp_with_fsdp(rank: int, world: int) -> None:
+    """tp=2 x dp_shard=2 (SP on and off) after 3 AdamW steps matches the single-process run, and the
+    global grad norm over TP x FSDP shards matches the unsharded one."""
+    reference = fsdp_cases.reference_params(3)
+    mesh = ParallelMesh(ParallelDims.from_sizes(world, model_parallel_size=2), "cpu")
+    for sp in (False, True):
+        tp = TPContext(mesh.group("tp"), sequence_parallel=sp)
+        norms = []
+        root, _ = fsdp_cases.train_fsdp(FSDPConfig(), mesh.group("dp_shard_cp"), None, mesh.dp_rank, mesh.dims.dp, 2,
+                                        3, lambda s, r: norms.append(r.grad_norm()), tp=tp)
+        fsdp_cases.assert_params_close(fsdp_cases.full_params(root), reference, 1e-6, f"tp=2 dp=2 sp={sp}")
+        model = fsdp_cases.make_model()
+        inputs, targets = fsdp_cases.global_batch(0)
+        (fsdp_cases.loss_sum(model, inputs, targets) / inputs.numel()).backward()
+        expected = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
+        assert abs(norms[0] - expected) <= 1e-5 * expected, (sp, norms[0], expected)
+
+
 def _all_checks(rank: int, world: int) -> None:
+    _check_tp_with_fsdp(rank, world)
     _check_against_tp1(rank, world)
     _check_counts(rank, world)
     _check_activation_memory(rank, world)

@@ -38,9 +38,15 @@ def _our_model(ckpt: Path) -> Transformer:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
-def test_export_matches_transformers_llama(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [(0, ()), (2, ("model_parallel_size=2", "model.sequence_parallel=true"))],
+    ids=["single", "tp2"],
+)
+def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: tuple[str, ...]) -> None:
+    """The tp2 case gathers the full weights from TP-sharded (and FSDP-sharded) flat checkpoints."""
     transformers = pytest.importorskip("transformers")
-    train_ok(0, tmp_path / "run", "model=tiny", "steps=2", "checkpoint.freq=2", "log_freq=1")
+    train_ok(nproc, tmp_path / "run", "model=tiny", "steps=2", "checkpoint.freq=2", "log_freq=1", *layout)
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
     done = _export(ckpt, tmp_path / "hf")
     assert done.returncode == 0, done.stderr
