@@ -12,6 +12,7 @@ import torch.distributed as dist
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group
+from parallel.random import RNGStreams
 from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
@@ -72,11 +73,13 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     dump_dir.mkdir(parents=True, exist_ok=True)
     log = partial(log0, launch.rank)
     tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
-    model = build_model(cfg, device, tp_context(cfg, mesh))
+    tp = tp_context(cfg, mesh)
+    rng = RNGStreams(cfg.seed, tp.rank, device)
+    model = build_model(cfg, device, tp)
     fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
     optimizer = NamedAdamW(model, cfg.optim)
-    state = partial(checkpoint_state, fsdp, optimizer, mesh.shard_tp_mesh(), rank=launch.rank)
-    start_step = _resume(cfg, state(step=0), dump_dir / "checkpoints", launch, log)
+    state = partial(checkpoint_state, fsdp, optimizer, rng, mesh.shard_tp_mesh(), rank=launch.rank)
+    start_step = _resume(cfg, state(step=0), rng, dump_dir / "checkpoints", launch, log)
     trainer = Trainer(
         cfg, mesh, model, fsdp, optimizer, loader, device,
         flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
@@ -113,13 +116,13 @@ def _fit(cfg: TrainConfig, trainer: Trainer, start_step: int, state, extra_files
             log(f"saved checkpoint {path}")
 
 
-def _resume(cfg: TrainConfig, state: dict, root: Path, launch: LaunchEnv, log) -> int:
+def _resume(cfg: TrainConfig, state: dict, rng: RNGStreams, root: Path, launch: LaunchEnv, log) -> int:
     """Load the newest complete checkpoint, if any; returns the step to continue after."""
     path = latest_checkpoint(root)
     if path is None:
         return 0
     group = dist.group.WORLD
     verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
-    step = load_into(path, state, group, launch.rank)
+    step = load_into(path, state, rng, group, launch.rank)
     log(f"resumed from {path} (step {step})")
     return step

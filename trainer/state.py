@@ -15,6 +15,7 @@ from model.transformer import Transformer
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.flat_param import FlatParamSpec, unflatten
 from parallel.fsdp.state_dict import shard_as_dtensor
+from parallel.random import RNGStreams
 from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import checkpoint_keys, load_checkpoint
 from trainer.config import TrainConfig
@@ -26,7 +27,9 @@ def rng_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-def checkpoint_state(root: FSDPRoot, optimizer: NamedAdamW, mesh: DeviceMesh, step: int, rank: int) -> dict:
+def checkpoint_state(
+    root: FSDPRoot, optimizer: NamedAdamW, rng: RNGStreams, mesh: DeviceMesh, step: int, rank: int
+) -> dict:
     """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place."""
     units = {f"{u.name}.flat_param": u for u in root.units}
     opt_state = optimizer.state()
@@ -38,17 +41,17 @@ def checkpoint_state(root: FSDPRoot, optimizer: NamedAdamW, mesh: DeviceMesh, st
             for key, u in units.items()
         },
         "trainer": {"step": torch.tensor(step, dtype=torch.int64)},
-        "rng": {rng_key(rank): torch.get_rng_state()},
+        "rng": {rng_key(rank): rng.state()},
     }
 
 
-def load_into(path: Path, state: dict, group, rank: int) -> int:
+def load_into(path: Path, state: dict, rng: RNGStreams, group, rank: int) -> int:
     """Load a checkpoint into `checkpoint_state` views; returns the step it was taken after."""
-    if f"rng.{rng_key(rank)}" not in checkpoint_keys(path):
-        del state["rng"]  # a different world layout: this rank's stream was not saved
+    if f"rng.{rng_key(rank)}.shared" not in checkpoint_keys(path):
+        del state["rng"]  # a different world layout: this rank's streams were not saved
     load_checkpoint(path, state, group)
     if "rng" in state:
-        torch.set_rng_state(state["rng"][rng_key(rank)])
+        rng.load_state(state["rng"][rng_key(rank)])
     return int(state["trainer"]["step"])
 
 

@@ -1,0 +1,57 @@
+"""TP-aware random streams (Megatron's "model-parallel RNG tracker").
+
+Outside tensor-parallel regions every TP rank must draw the same numbers (dropout on a replicated
+activation must drop the same elements everywhere); inside a TP region each rank holds different
+features, so its draws must differ, yet be reproducible. `tp_region()` swaps the default generator
+for a TP-rank-specific stream and swaps it back afterwards, so the shared stream continues exactly
+as if the region had drawn nothing.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_TP_SEED_OFFSET = 2718
+
+
+class RNGStreams:
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = device
+        self._tp_state = self._fresh_state(seed + _TP_SEED_OFFSET + tp_rank)
+
+    def _fresh_state(self, seed: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            saved = torch.cuda.get_rng_state(self.device)
+            torch.cuda.manual_seed(seed)
+            state = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(saved, self.device)
+            return state
+        return torch.Generator().manual_seed(seed).get_state()
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextmanager
+    def tp_region(self) -> Iterator[None]:
+        shared = self._get()
+        self._set(self._tp_state)
+        try:
+            yield
+        finally:
+            self._tp_state = self._get()
+            self._set(shared)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """For checkpoints: the shared stream and this rank's TP stream."""
+        return {"shared": self._get(), "tp": self._tp_state.clone()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._set(state["shared"])
+        self._tp_state = state["tp"].clone()
