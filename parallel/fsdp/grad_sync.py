@@ -23,10 +23,22 @@ if TYPE_CHECKING:
 
 
 def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) -> None:
-    """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`."""
+    """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`.
+
+    The first microbatch writes instead of adding (every slice is written exactly once then), so the
+    step never pays for zero-filling a fresh unsharded buffer; a whole flat fp32 gradient is adopted.
+    """
     if unit.grad_accumulator is None:
-        unit.grad_accumulator = torch.zeros(unit.spec.padded, dtype=torch.float32, device=grad.device)
-    unit.grad_accumulator[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        if grad.numel() == unit.spec.padded:
+            unit.grad_accumulator = grad.to(torch.float32)
+            return
+        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=grad.device)
+        unit.grad_accumulator[unit.spec.total :].zero_()
+    target = unit.grad_accumulator[offset : offset + grad.numel()]
+    if unit.is_first_microbatch:
+        target.copy_(grad.reshape(-1))
+    else:
+        target.add_(grad.reshape(-1))
 
 
 def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor) -> torch.Tensor:

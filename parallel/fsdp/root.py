@@ -22,6 +22,8 @@ class FSDPRoot:
         self._index = {id(u): i for i, u in enumerate(units)}
 
     def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        """Call before the forward AND before the backward of each microbatch: a pipeline schedule
+        may run another microbatch's forward in between, and both passes read these flags."""
         for unit in self.units:
             unit.is_first_microbatch, unit.is_last_microbatch = is_first, is_last
 
