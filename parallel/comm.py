@@ -29,6 +29,12 @@ def register_group(group: ProcessGroup, name: str) -> None:
     _group_names.setdefault(group, name)
 
 
+def forget_groups() -> None:
+    """Drop the ledger's references to process groups, so destroy_process_group really frees them
+    (a group kept alive until interpreter teardown can take its gloo threads down with an abort)."""
+    _group_names.clear()
+
+
 def group_name(group: ProcessGroup | None) -> str:
     if group is None:
         return "world"

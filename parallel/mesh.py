@@ -6,6 +6,7 @@ Every divisibility rule is checked in `ParallelDims` before any process group ex
 layout fails with one line instead of a hang.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -134,3 +135,12 @@ def init_process_group(launch: LaunchEnv, device: torch.device) -> None:
         dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size)
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shutdown_process_groups() -> None:
+    """Free every reference to a process group (the ledger's names, FSDP units caught in hook
+    reference cycles) before destroying them: a gloo group that outlives destroy_process_group is
+    torn down at interpreter exit, where its threads can abort the process."""
+    comm.forget_groups()
+    gc.collect()
+    dist.destroy_process_group()

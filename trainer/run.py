@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from model.init import init_weights
 from model.transformer import Transformer
-from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group
+from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
@@ -24,8 +24,8 @@ from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
 from trainer.parallelize import DTYPES, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler
-from trainer.tokenizer import Tokenizer
 from trainer.state import checkpoint_state, load_into
+from trainer.tokenizer import Tokenizer
 
 
 def select_device(launch: LaunchEnv) -> torch.device:
@@ -64,7 +64,7 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     try:
         _train(cfg, launch, dims, device)
     finally:
-        dist.destroy_process_group()
+        shutdown_process_groups()
 
 
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device) -> None:

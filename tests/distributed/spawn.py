@@ -7,6 +7,8 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallel.mesh import shutdown_process_groups
+
 
 def _entry(rank: int, world: int, store_file: str, fn, args, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
@@ -21,7 +23,7 @@ def _entry(rank: int, world: int, store_file: str, fn, args, errors) -> None:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        shutdown_process_groups()
 
 
 def run_ranks(world: int, fn, *args) -> None:

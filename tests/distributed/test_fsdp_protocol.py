@@ -38,7 +38,7 @@ def _check_concats(rank: int, world: int) -> None:
 
 def _check_bitwise_on_off(rank: int, world: int) -> None:
     shard, rep, rank, world = _world_groups()
-    for dtype, steps in ((torch.float32, 5), (torch.bfloat16, 2)):
+    for dtype, steps in ((torch.float32, 5), (torch.bfloat16, 5)):
         for reshard in (False, True):
             runs = [
                 train_fsdp(FSDPConfig(compute_dtype=dtype, reshard_after_forward=reshard, optimize_backward_concat=opt),
@@ -122,14 +122,28 @@ def _check_outside_placement(cfg: FSDPConfig, reshard: bool) -> None:
 
 
 def _check_memory_and_grad_norm(rank: int, world: int) -> None:
+    """Per rank, parameter + gradient + Adam-state elements are 1/dp_shard of the unsharded model's
+    (plus the padding that makes the flat parameters divisible), all fp32."""
     shard, rep, rank, world = _world_groups()
-    norms = []
-    root, _ = train_fsdp(FSDPConfig(), shard, rep, rank, world, M, 1, lambda s, r: norms.append(r.grad_norm()))
+    norms, grad_numel = [], []
+
+    def on_step(step, root):
+        norms.append(root.grad_norm())
+        grad_numel.append(sum(u.flat_param.grad.numel() for u in root.units))
+
+    root, _ = train_fsdp(FSDPConfig(), shard, rep, rank, world, M, 1, on_step)
     full_numel = sum(p.numel() for p in make_model().parameters())
-    local = sum(u.flat_param.numel() for u in root.units)
     padding = sum(u.spec.padded - u.spec.total for u in root.units)
-    assert local * world == full_numel + padding and padding < len(UNITS) * world
-    assert all(u.flat_param.dtype == torch.float32 for u in root.units)
+    assert padding < len(UNITS) * world
+    params = [u.flat_param for u in root.units]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state_numel = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
+    local = sum(p.numel() for p in params)
+    assert local * world == grad_numel[0] * world == state_numel * world // 2 == full_numel + padding
+    assert all(p.dtype == torch.float32 for p in params)
     assert all(u.state is fsdp_unit.UnitState.SHARDED for u in root.units)  # nothing unsharded between steps
     reference = make_model()
     inputs, targets = global_batch(0)
