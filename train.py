@@ -19,11 +19,12 @@ def main(raw: DictConfig) -> None:
         cfg = from_dict(OmegaConf.to_container(raw, resolve=True))
         dims = validate(cfg, launch.world_size)
         run(cfg, launch, dims)
-    except ConfigError as e:
-        # Ranks see the same bad input; one line from rank 0 is the message, every rank exits non-zero.
+    except (ConfigError, FloatingPointError) as e:
+        # Ranks see the same bad input (or the same reduced gradient norm); one line from rank 0 is the
+        # message, every rank exits non-zero.
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 3)
 
 
 if __name__ == "__main__":

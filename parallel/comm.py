@@ -3,13 +3,12 @@
 Every collective of the framework goes through a function here, so the ledger sees all of them:
 per op and per named group, how many calls and how many bytes. The trainer resets it at the start of
 each step and writes its snapshot to metrics.jsonl as `comm`; tests assert exact counts from it.
-Bytes count the full collective buffer: the tensor for all_reduce/broadcast, the gathered output for
-all_gather, the unreduced input for reduce_scatter, the send buffer for all_to_all and p2p.
+Bytes count the full collective buffer: the tensor for all_reduce, the gathered output for all_gather,
+the unreduced input for reduce_scatter. (Collectives the framework does not use yet are added here
+when a feature needs them, so none escapes the ledger.)
 """
 
 from collections import defaultdict
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -21,12 +20,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def register_group(group: ProcessGroup, name: str) -> None:
-    """Name a process group for the ledger (the mesh registers pp, dp, dp_shard, cp, tp, ...).
-
-    One group can carry several mesh names (dp_shard_cp is dp_shard when cp=1); the first name wins.
-    """
-    _group_names.setdefault(group, name)
+def register_groups(names: dict[ProcessGroup, str]) -> None:
+    """Name process groups for the ledger; the mesh in use registers its dimensions (later wins)."""
+    _group_names.update(names)
 
 
 def forget_groups() -> None:
@@ -105,28 +101,6 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     LEDGER.record("reduce_scatter", group, _nbytes(full))
     return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
-
-
-def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
-    """src is a global rank."""
-    LEDGER.record("broadcast", group, _nbytes(tensor))
-    dist.broadcast(tensor, src=src, group=group)
-
-
-def all_to_all_single(
-    output: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
-) -> Work | None:
-    LEDGER.record("all_to_all", group, _nbytes(inp))
-    return dist.all_to_all_single(output, inp, group=group, async_op=async_op)
-
-
-def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list[Work]:
-    for p2p in ops:
-        if p2p.op is dist.isend:
-            LEDGER.record("send", p2p.group, _nbytes(p2p.tensor))
-        else:
-            LEDGER.record("recv", p2p.group, _nbytes(p2p.tensor))
-    return dist.batch_isend_irecv(list(ops))
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

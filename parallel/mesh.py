@@ -81,8 +81,13 @@ class ParallelMesh:
             "dp_shard_cp": self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        # One group can carry several names (dp_shard_cp is dp_shard when cp=1, dp may be the world
+        # group): the first name wins, mesh dimensions before "world".
+        names: dict[ProcessGroup, str] = {}
         for name in (*MESH_DIMS, *self._flat):
-            comm.register_group(self.group(name), name)
+            names.setdefault(self.group(name), name)
+        names.setdefault(dist.group.WORLD, "world")
+        comm.register_groups(names)
 
     def group(self, name: str) -> ProcessGroup:
         if name in self._flat:

@@ -6,7 +6,6 @@ Regions (tp = the tensor-parallel group; seq is dim 1 of [batch, seq, hidden] ac
     reduce_from_tp   forward all-reduce,          backward identity        (output of row-parallel, no SP)
     gather_from_sp   forward all-gather seq,      backward reduce-scatter  (input of column-parallel, SP)
     scatter_to_sp    forward reduce-scatter seq,  backward all-gather      (output of row-parallel, SP)
-    split_to_sp      forward keep own seq chunk,  backward all-gather      (enter SP from replicated input)
 
 Column-parallel linears own a slice of the output features, row-parallel ones a slice of the input
 features; a block therefore communicates twice forward and twice backward. Every collective goes
@@ -23,9 +22,10 @@ SEQ_DIM = 1
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    comm.all_reduce(x, group)
-    return x
+    """Sum into a new tensor: a Function must not modify its input in place."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, group)
+    return out
 
 
 def _all_gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -44,10 +44,6 @@ def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out, full, group)
     return out.transpose(0, SEQ_DIM).contiguous()
-
-
-def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return x.chunk(group.size(), dim=SEQ_DIM)[group.rank()].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -93,17 +89,6 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
-class _SplitToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
-
-
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, group) if group.size() > 1 else x
 
@@ -119,9 +104,6 @@ def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ScatterToSP.apply(x, group) if group.size() > 1 else x
 
-
-def split_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _SplitToSP.apply(x, group) if group.size() > 1 else x
 
 
 class TPContext:

@@ -7,11 +7,11 @@ cd "$(dirname "$0")/.."
 
 CPU_TORCH="torch==2.13.0"
 stamp=.venv/.installed
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/install.sh ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+pip=(.venv/bin/python -m pip install -qq --disable-pip-version-check)
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${pip[@]}" "$CPU_TORCH"
 fi

@@ -56,7 +56,8 @@ def save_checkpoint(
 ) -> Path:
     final, tmp = root / f"{_STEP_PREFIX}{step}", root / f".tmp_{_STEP_PREFIX}{step}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(f".tmp_{_STEP_PREFIX}*"):  # left by saves that crashed
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier(group)
     dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=group)
@@ -114,11 +115,16 @@ def verify_checkpoint(path: Path, group: ProcessGroup, rank: int, world: int, ch
 
 
 def checkpoint_files_problem(path: Path, rank: int, world: int, checksums: bool) -> str | None:
-    """What is wrong with the files of a checkpoint (None if nothing); checksums of every world-th file."""
+    """What is wrong with the files of a checkpoint (None if nothing); checksums of every world-th file.
+    Never raises: a rank that raised here would leave the others waiting in the exchange of verdicts."""
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"checkpoint {path} has an unreadable {MANIFEST}: {e}"
+        return _files_problem(path, rank, world, checksums)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"checkpoint {path} has an unreadable or malformed {MANIFEST}: {e!r}"
+
+
+def _files_problem(path: Path, rank: int, world: int, checksums: bool) -> str | None:
+    files = json.loads((path / MANIFEST).read_text())["files"]
     for i, (name, entry) in enumerate(sorted(files.items())):
         file = path / name
         if not file.is_file():
@@ -161,8 +167,11 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def checkpoint_keys(path: Path) -> set[str]:
-    """Flattened keys stored in a checkpoint (e.g. 'rng.rank0')."""
-    return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+    """Flattened keys stored in a checkpoint (e.g. 'trainer.step')."""
+    try:
+        return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has unreadable metadata: {e!r}")
 
 
 def load_checkpoint(path: Path, state: dict, group: ProcessGroup | None) -> None:

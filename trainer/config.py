@@ -94,10 +94,6 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.batch_size // self.microbatch_size
-
     def model_args(self) -> ModelArgs:
         """The model-facing subset of `model.*`, plus the sequence length the RoPE tables must cover."""
         shared = {f.name: getattr(self.model, f.name) for f in fields(ModelArgs) if hasattr(self.model, f.name)}

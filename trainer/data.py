@@ -98,6 +98,8 @@ def _load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) ->
     if not Path(tokenizer_path).expanduser().is_file():
         raise ConfigError(f"data.tokenizer={tokenizer_path} does not exist")
     tokenizer = Tokenizer(Path(tokenizer_path).expanduser())
+    if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
+        raise ConfigError(f"data.tokenizer={tokenizer_path} has no bos/eos pieces; packing needs both")
     if tokenizer.vocab_size != vocab_size:
         raise ConfigError(
             f"model.vocab_size={vocab_size} does not match data.tokenizer={tokenizer_path} "
@@ -226,10 +228,6 @@ class BatchLoader:
             raise ValueError("the sampler was built for a different seq_len or data set")
         self.tokens, self.sampler, self.seq_len = tokens, sampler, seq_len
         self.dp_rank, self.dp_size, self.microbatch_size = dp_rank, dp_size, microbatch_size
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.per_rank_batch // self.microbatch_size
 
     def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's microbatches of step `step` (0-based): [microbatch_size, seq_len] int64 each."""

@@ -8,6 +8,7 @@ so accumulated and data-parallel-summed gradients are those of the global mean l
 loss is the same number for every layout.
 """
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,6 +53,8 @@ class Trainer:
         loss_sum = self._forward_backward(step)
         self.fsdp.finish_gradient_sync()
         grad_norm = self.fsdp.grad_norm()
+        if not math.isfinite(grad_norm):  # every rank holds the same reduced norm: all stop together
+            raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; stopping before the update")
         clip_grads(self.optimizer.grads(), grad_norm, self.cfg.optim.clip_grad_norm)
         lr = lr_at(step, self.cfg.steps, self.cfg.optim)
         self.optimizer.step(lr)

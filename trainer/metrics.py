@@ -40,18 +40,28 @@ class StepMetrics:
 
 
 class MetricsLog:
-    def __init__(self, dump_dir: Path, is_writer: bool, total_steps: int):
+    def __init__(self, dump_dir: Path, is_writer: bool, total_steps: int, start_step: int) -> None:
         self.is_writer = is_writer
         self.total_steps = total_steps
         self.path = dump_dir / "metrics.jsonl"
         self._step_times: list[float] = []
+        if is_writer:
+            self._keep_until(start_step)
+
+    def _keep_until(self, start_step: int) -> None:
+        """A resumed job redoes the steps after its checkpoint: drop their old records, so the file
+        keeps one record per step (a fresh start, start_step 0, empties it)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, m: StepMetrics) -> None:
         self._step_times.append(m.step_time_s)
         if not self.is_writer:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(m.record()) + "\n")
+            f.write(json.dumps(m.record(), allow_nan=False) + "\n")
         print(self.human_line(m), file=sys.stdout, flush=True)
 
     def human_line(self, m: StepMetrics) -> str:

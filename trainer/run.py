@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -78,8 +79,8 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     model = build_model(cfg, device, tp)
     fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
     optimizer = NamedAdamW(model, cfg.optim)
-    state = partial(checkpoint_state, fsdp, optimizer, rng, mesh.shard_tp_mesh(), rank=launch.rank)
-    start_step = _resume(cfg, state(step=0), rng, dump_dir / "checkpoints", launch, log)
+    state = partial(checkpoint_state, fsdp, optimizer, rng, loader.sampler, mesh.shard_tp_mesh(), rank=launch.rank)
+    start_step = _resume(cfg, state(step=0), rng, loader.sampler, dump_dir / "checkpoints", launch, log)
     trainer = Trainer(
         cfg, mesh, model, fsdp, optimizer, loader, device,
         flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
@@ -92,7 +93,9 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
 
 
-def _build_data(cfg: TrainConfig, mesh: ParallelMesh, rank: int, log) -> tuple[Tokenizer, BatchLoader]:
+def _build_data(
+    cfg: TrainConfig, mesh: ParallelMesh, rank: int, log: Callable[[str], None]
+) -> tuple[Tokenizer, BatchLoader]:
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
@@ -102,8 +105,11 @@ def _build_data(cfg: TrainConfig, mesh: ParallelMesh, rank: int, log) -> tuple[T
     return tokenizer, BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
 
 
-def _fit(cfg: TrainConfig, trainer: Trainer, start_step: int, state, extra_files: dict, rank: int, log) -> None:
-    metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps)
+def _fit(
+    cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: dict[str, Path],
+    rank: int, log: Callable[[str], None],
+) -> None:
+    metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     ckpt_root = Path(cfg.dump_dir) / "checkpoints"
     for step in range(start_step + 1, cfg.steps + 1):
         m = trainer.train_step(step)
@@ -116,13 +122,16 @@ def _fit(cfg: TrainConfig, trainer: Trainer, start_step: int, state, extra_files
             log(f"saved checkpoint {path}")
 
 
-def _resume(cfg: TrainConfig, state: dict, rng: RNGStreams, root: Path, launch: LaunchEnv, log) -> int:
+def _resume(
+    cfg: TrainConfig, state: dict, rng: RNGStreams, sampler: GlobalBatchSampler, root: Path, launch: LaunchEnv,
+    log: Callable[[str], None],
+) -> int:
     """Load the newest complete checkpoint, if any; returns the step to continue after."""
     path = latest_checkpoint(root)
     if path is None:
         return 0
     group = dist.group.WORLD
     verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
-    step = load_into(path, state, rng, group, launch.rank)
+    step = load_into(path, state, rng, sampler, group)
     log(f"resumed from {path} (step {step})")
     return step

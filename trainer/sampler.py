@@ -38,7 +38,6 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.steps_per_epoch = num_sequences // global_batch_size
-        self.next_step = 0
         # One epoch's permutation is reused by all its steps; recomputing it per step would be O(N).
         self._cached_epoch = -1
         self._cached_permutation = np.empty(0, dtype=np.int64)
@@ -58,27 +57,19 @@ class GlobalBatchSampler:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
         return self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
-    def advance(self) -> None:
-        """Marks `next_step` as consumed; called once per completed optimizer step."""
-        self.next_step += 1
-
     def state_dict(self) -> dict[str, int]:
-        return {
-            "next_step": self.next_step,
-            "seed": self.seed,
-            "num_sequences": self.num_sequences,
-            "global_batch_size": self.global_batch_size,
-        }
+        """What fixes the data order. The position needs no state: step s's batch is a pure function
+        of these and s, so a checkpoint's step number is enough to resume."""
+        return {"seed": self.seed, "num_sequences": self.num_sequences, "global_batch_size": self.global_batch_size}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resumes at `state["next_step"]`; refuses state from a different seed, data or batch size."""
+    def check_resumable(self, state: dict[str, int]) -> None:
+        """Refuse a checkpoint written with a different seed, data or global batch size."""
         for key, hint in _RESUME_HINTS.items():
             if int(state[key]) != getattr(self, key):
                 raise ConfigError(
                     f"{hint}: the checkpoint was written with {key}={state[key]}, "
                     f"now {key}={getattr(self, key)}; resuming would change the data order"
                 )
-        self.next_step = int(state["next_step"])
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._cached_epoch:

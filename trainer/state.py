@@ -3,12 +3,14 @@
 Weights and Adam moments are saved per FSDP unit as DTensors of the unit's flat length (see
 parallel/fsdp/state_dict.py), so a checkpoint reloads into any data-parallel layout and an offline
 tool can rebuild full weights. Everything is a tensor: loading never unpickles user data. The sampler
-needs no state: the global batch of step s is a pure function of (seed, s).
+position needs no state (the global batch of step s is a pure function of seed, data and s), but
+what fixes the data order is stored and checked, so a resume can never silently change the data.
 """
 
 from pathlib import Path
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from model.transformer import Transformer
@@ -20,15 +22,18 @@ from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import checkpoint_keys, load_checkpoint
 from trainer.config import TrainConfig
 from trainer.optimizer import ADAM_STATE, NamedAdamW
+from trainer.sampler import GlobalBatchSampler
 from trainer.parallelize import fsdp_unit_names
 
 
-def rng_key(rank: int) -> str:
-    return f"rank{rank}"
+def rng_key(rank: int, world: int, tp: int) -> str:
+    """RNG streams belong to a rank of one layout: another layout must not inherit them."""
+    return f"rank{rank}_of_{world}_tp{tp}"
 
 
 def checkpoint_state(
-    root: FSDPRoot, optimizer: NamedAdamW, rng: RNGStreams, mesh: DeviceMesh, step: int, rank: int
+    root: FSDPRoot, optimizer: NamedAdamW, rng: RNGStreams, sampler: GlobalBatchSampler, mesh: DeviceMesh,
+    step: int, rank: int,
 ) -> dict:
     """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place."""
     units = {f"{u.name}.flat_param": u for u in root.units}
@@ -40,18 +45,27 @@ def checkpoint_state(
             | {k: shard_as_dtensor(u, opt_state[key][k], mesh) for k in ADAM_STATE}
             for key, u in units.items()
         },
-        "trainer": {"step": torch.tensor(step, dtype=torch.int64)},
-        "rng": {rng_key(rank): rng.state()},
+        "trainer": {"step": torch.tensor(step, dtype=torch.int64)}
+        | {k: torch.tensor(v, dtype=torch.int64) for k, v in sampler.state_dict().items()},
+        "rng": {_rng_key(root, rank): rng.state()},
     }
 
 
-def load_into(path: Path, state: dict, rng: RNGStreams, group, rank: int) -> int:
+def _rng_key(root: FSDPRoot, rank: int) -> str:
+    return rng_key(rank, torch.distributed.get_world_size(), root.units[0].tp.size)
+
+
+def load_into(
+    path: Path, state: dict, rng: RNGStreams, sampler: GlobalBatchSampler, group: ProcessGroup
+) -> int:
     """Load a checkpoint into `checkpoint_state` views; returns the step it was taken after."""
-    if f"rng.{rng_key(rank)}.shared" not in checkpoint_keys(path):
-        del state["rng"]  # a different world layout: this rank's streams were not saved
+    (key,) = state["rng"]
+    if f"rng.{key}.shared" not in checkpoint_keys(path):
+        del state["rng"]  # another layout: this rank's streams were not saved, start them fresh
     load_checkpoint(path, state, group)
+    sampler.check_resumable({k: int(v) for k, v in state["trainer"].items()})
     if "rng" in state:
-        rng.load_state(state["rng"][rng_key(rank)])
+        rng.load_state(state["rng"][key])
     return int(state["trainer"]["step"])
 
 

@@ -12,9 +12,15 @@ from trainer.config import ENUMS, NOT_SUPPORTED_YET, TrainConfig, get_key
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-    "model.multiple_of", "optim.lr",
+    "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
+    "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
 )
-_NON_NEGATIVE = ("seed", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm")
+_NON_NEGATIVE = (
+    "seed", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
+    "optim.weight_decay", "optim.eps",
+)
+_OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage")
+_UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -37,6 +43,12 @@ def _check_ranges(cfg: TrainConfig) -> None:
     for key in _NON_NEGATIVE:
         if get_key(cfg, key) < 0:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 0")
+    for key in _OPTIONAL_POSITIVE:
+        if get_key(cfg, key) is not None and get_key(cfg, key) <= 0:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be > 0 (or null)")
+    for key in _UNIT_INTERVAL:
+        if not 0.0 <= get_key(cfg, key) < 1.0:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be in [0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     if cfg.batch_size % cfg.microbatch_size:
@@ -61,9 +73,6 @@ def _check_model(cfg: TrainConfig) -> None:
 
 def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     m, tp = cfg.model, cfg.model_parallel_size
-    for key in ("model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate"):
-        if get_key(cfg, key) < 1:
-            raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
     _divisible("model.n_heads", m.n_heads, "model_parallel_size", tp)
     _divisible("model.n_kv_heads", m.n_kv_heads, "model_parallel_size", tp)
     _divisible("ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)",

@@ -25,26 +25,21 @@ if TYPE_CHECKING:
 def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) -> None:
     """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`.
 
-    The first microbatch writes instead of adding (every slice is written exactly once then), so the
-    step never pays for zero-filling a fresh unsharded buffer; a whole flat fp32 gradient is adopted.
+    A whole flat gradient arriving first is adopted (no zero-filled buffer to pay for); per-view
+    gradients start from zeros, so a parameter that got no gradient contributes nothing.
     """
     if unit.grad_accumulator is None:
         if grad.numel() == unit.spec.padded:
             unit.grad_accumulator = grad.to(torch.float32)
             return
-        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=grad.device)
-        unit.grad_accumulator[unit.spec.total :].zero_()
-    target = unit.grad_accumulator[offset : offset + grad.numel()]
-    if unit.is_first_microbatch:
-        target.copy_(grad.reshape(-1))
-    else:
-        target.add_(grad.reshape(-1))
+        unit.grad_accumulator = torch.zeros(unit.spec.padded, dtype=torch.float32, device=grad.device)
+    unit.grad_accumulator[offset : offset + grad.numel()].add_(grad.reshape(-1))
 
 
 def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor) -> torch.Tensor:
-    """The step's full flat gradient: this microbatch's plus what earlier microbatches accumulated."""
+    """The step's full flat gradient in fp32: this microbatch's plus what earlier ones accumulated."""
     if unit.grad_accumulator is None:
-        return grad
+        return grad.to(torch.float32)
     accumulate_unsharded(unit, grad)
     return unit.grad_accumulator
 

@@ -6,8 +6,10 @@ pre_backward : unshard (or land the prefetch), prefetch the previous unit
 on_full_grad : the concatenated gradient of a connected backward is ready -> accumulate or reduce
 on_backward_done : this unit's backward finished -> reshard (ZeRO-3)
 
-Activation-checkpoint recompute that re-enters a unit's forward runs inside the autograd engine; the
-unit is already unsharded for backward then, so both forward hooks do nothing (no extra all-gather).
+Activation-checkpoint recompute that re-enters a unit's forward runs inside the autograd engine. The
+unit is normally already unsharded for backward then; pre_forward only makes sure of it (landing an
+in-flight prefetch, gathering only if it really is sharded) and installs no views and prefetches
+nothing, and post_forward does not reshard, so recompute costs no extra all-gather.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from parallel.fsdp.grad_sync import accumulate_unsharded, post_backward
@@ -35,15 +38,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def pre_forward(unit: FSDPUnit, root: FSDPRoot, module, args) -> None:
+def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) -> None:
+    unit.unshard()
     if in_backward():
         return
-    unit.unshard()
     unit.install_views(on_backward_done)
     root.prefetch_next(unit)
 
 
-def post_forward(unit: FSDPUnit, root: FSDPRoot, module, args, output):
+def post_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple, output: object) -> None:
     if in_backward():
         return None
     if torch.is_grad_enabled():

@@ -240,7 +240,7 @@ def interleaved(blocks: dict[Config, nn.Module], inputs: Inputs, warmup: int, ro
 # --- one tp size in one set of processes ---------------------------------------------------------
 def run_rank(rank: int, world: int, args: ModelArgs, batch: int, warmup: int, rounds: int, k: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    comm.register_group(mesh.get_group(), "tp")
+    comm.register_groups({mesh.get_group(): "tp"})
     inputs = make_inputs(args, batch)
     ref_out, ref_grad = forward_backward(plain_block(args), inputs.full, inputs)
     blocks = {cfg: build(cfg, args, mesh) for cfg in CONFIGS}

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.launch import train, train_ok
+from tests.e2e.launch import metrics, train, train_ok
 
 FAST = ("model=tiny", "seq_len=64", "batch_size=2")
 
@@ -80,8 +80,24 @@ def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run
     assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["step_2"]
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path, checkpointed_run):
+@pytest.mark.parametrize(
+    "override, fragments",
+    [("model.dim=128", ("checkpoint", "cannot be loaded into this run")),
+     ("seed=1", ("seed changed", "written with seed=0"))],
+)
+def test_checkpoint_of_another_run_is_refused(tmp_path, checkpointed_run, override, fragments):
     dump = tmp_path / "dump"
     shutil.copytree(checkpointed_run, dump)
-    proc = train(0, dump, *FAST, "model.dim=128", "steps=3", timeout=60)
-    assert_one_error(proc, "checkpoint", "cannot be loaded into this run")
+    proc = train(0, dump, *FAST, override, "steps=3", timeout=60)
+    assert_one_error(proc, *fragments)
+
+
+def test_divergence_stops_with_one_line(tmp_path):
+    """A non-finite gradient norm stops every rank before the update, exit code 3; the metrics file
+    stays valid JSON."""
+    dump = tmp_path / "dump"
+    proc = train(2, dump, *FAST, "steps=3", "optim.lr=1e30", "optim.warmup_steps=0", "log_all_steps=true",
+                 timeout=120)
+    assert_one_error(proc, "step 2: gradient norm is nan")
+    assert proc.returncode != 0
+    assert [r["step"] for r in metrics(dump)] == [1]

@@ -67,11 +67,13 @@ def test_metrics_contract(layout_runs):
 def test_resume_is_bitwise(tmp_path, layout):
     straight = losses(train_ok(2, tmp_path / "straight", *FAST, "steps=6", *layout))
     resumed_dir = tmp_path / "resumed"
-    # The first job stops at step 3 of the same 6-step LR schedule, as a preempted job would.
-    train_ok(2, resumed_dir, *FAST, "steps=3", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
+    # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
+    train_ok(2, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
     assert (resumed_dir / "checkpoints" / "step_3" / "manifest.json").is_file()
     train_ok(2, resumed_dir, *FAST, "steps=6", "checkpoint.freq=3", *layout)
-    resumed = losses(metrics(resumed_dir))
+    records = metrics(resumed_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # step 4 was redone, and logged once
+    resumed = losses(records)
     for step in (4, 5, 6):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
     if "model_parallel_size=2" in layout:
