@@ -51,11 +51,16 @@ def full_shape(param: torch.Tensor, tp: TPContext) -> torch.Size:
     return torch.Size(shape)
 
 
+def local_init_value(name: str, param: torch.Tensor, args: ModelArgs, seed: int, tp: TPContext) -> torch.Tensor:
+    """This TP rank's slice of the full initial value; `param` may live on the meta device."""
+    value = full_init_value(name, full_shape(param, tp), args, seed)
+    dim = getattr(param, "tp_dim", None)
+    return value if dim is None else value.chunk(tp.size, dim=dim)[tp.rank].contiguous()
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, args: ModelArgs, seed: int, tp: TPContext | None = None) -> None:
     """Each rank draws the full value and keeps its TP slice of it."""
     tp = tp or TPContext()
     for name, param in model.named_parameters():
-        value = full_init_value(name, full_shape(param, tp), args, seed)
-        dim = getattr(param, "tp_dim", None)
-        param.copy_(value if dim is None else value.chunk(tp.size, dim=dim)[tp.rank])
+        param.copy_(local_init_value(name, param, args, seed, tp))

@@ -6,6 +6,7 @@ shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas 
 
 import torch
 
+from model.init import local_init_value
 from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
@@ -33,9 +34,18 @@ def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
     return TPContext(mesh.group("tp"), cfg.model.sequence_parallel)
 
 
-def parallelize(model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype) -> FSDPRoot:
-    """Activation checkpointing, then FSDP over the (already TP-local) parameters."""
+def parallelize(
+    model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
+) -> FSDPRoot:
+    """Activation checkpointing, then FSDP over the TP-local parameters of a model built on the meta
+    device: each unit's parameters get their (layout-independent) initial values only while that unit
+    is flattened and sharded, so no rank ever holds the whole unsharded model."""
     apply_activation_checkpointing(model, cfg.model.layer_ckpt)
+    args = cfg.model_args()
+
+    def materialize(name: str, param: torch.Tensor) -> torch.Tensor:
+        return local_init_value(name, param, args, cfg.seed, model.tp).to(device)
+
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,
         reduce_dtype=DTYPES[cfg.reduce_dtype],
@@ -44,4 +54,4 @@ def parallelize(model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, comput
     )
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)
-    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp)
+    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp, materialize)

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model.init import init_weights
 from model.transformer import Transformer
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
 from parallel.random import RNGStreams
@@ -41,13 +40,10 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(cfg: TrainConfig, device: torch.device, tp: TPContext) -> Transformer:
-    """TP-local slices of full fp32 weights drawn from the seed alone (layout-independent); FSDP casts
-    to the compute dtype."""
-    args = cfg.model_args()
-    model = Transformer(args, tp)
-    init_weights(model, args, cfg.seed, tp)
-    return model.to(device=device)
+def build_model(cfg: TrainConfig, tp: TPContext) -> Transformer:
+    """On the meta device: parallelize() gives each FSDP unit its initial values as it shards it."""
+    with torch.device("meta"):
+        return Transformer(cfg.model_args(), tp)
 
 
 def log0(rank: int, msg: str) -> None:
@@ -76,8 +72,8 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
     tp = tp_context(cfg, mesh)
     rng = RNGStreams(cfg.seed, tp.rank, device)
-    model = build_model(cfg, device, tp)
-    fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device))
+    model = build_model(cfg, tp)
+    fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device), device)
     optimizer = NamedAdamW(model, cfg.optim)
     state = partial(checkpoint_state, fsdp, optimizer, rng, loader.sampler, mesh.shard_tp_mesh(), rank=launch.rank)
     start_step = _resume(cfg, state(step=0), rng, loader.sampler, dump_dir / "checkpoints", launch, log)

@@ -11,6 +11,7 @@ concat (SplitWithSizesBackward) into `_full.grad`. Resharding frees the buffer's
 views keep aliasing it, so re-gathering before backward makes them valid again.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 from functools import partial
@@ -22,6 +23,9 @@ from torch.distributed import ProcessGroup, Work
 from parallel import comm
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of, split_views
 from parallel.fsdp.grad_sync import accumulate_unsharded
+
+
+Materialize = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class UnitState(Enum):
@@ -66,8 +70,10 @@ def _allocate(t: torch.Tensor) -> None:
 class FSDPUnit:
     def __init__(
         self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-        cfg: FSDPConfig, tp: TPGroups | None = None,
+        cfg: FSDPConfig, tp: TPGroups | None = None, materialize: Materialize | None = None,
     ):
+        """`materialize(name, param)` gives the value of a parameter built on the meta device (name is
+        relative to the unit's module), so only one unit's unsharded parameters ever exist at a time."""
         self.name, self.module, self.cfg = name, module, cfg
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.tp = tp or TPGroups()
@@ -79,7 +85,8 @@ class FSDPUnit:
         self.tp_replicated = [
             (offset, p.numel()) for offset, p in zip(self.spec.offsets(), params) if getattr(p, "tp_dim", None) is None
         ]
-        self.flat_param = nn.Parameter(shard_of(flatten(params, self.spec), self.spec, self.rank))
+        values = params if materialize is None else [materialize(n, p) for n, p in zip(self.spec.names, params)]
+        self.flat_param = nn.Parameter(shard_of(flatten(values, self.spec), self.spec, self.rank))
         for sub, attr in owners:
             del sub._parameters[attr]
         module.register_parameter("flat_param", self.flat_param)

@@ -1,0 +1,37 @@
+"""A model built on the meta device and initialized unit by unit while FSDP shards it holds exactly
+the weights of an eagerly initialized model: the path the trainer uses for every model size."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model.args import ModelArgs
+from model.init import init_weights, local_init_value
+from model.transformer import Transformer
+from parallel.fsdp import FSDPConfig, fully_shard
+from parallel.tensor_parallel import TPContext
+
+ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
+UNITS = ["tok_embeddings", "layers.0", "layers.1", "head"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_meta_model_materialized_per_unit_equals_eager_init(world):
+    eager = Transformer(ARGS)
+    init_weights(eager, ARGS, seed=5)
+    eager_root = fully_shard(eager, UNITS, world, None, FSDPConfig())
+    with torch.device("meta"):
+        lazy = Transformer(ARGS)
+    tp = TPContext()
+    lazy_root = fully_shard(lazy, UNITS, world, None, FSDPConfig(),
+                            materialize=lambda name, p: local_init_value(name, p, ARGS, 5, tp))
+    for a, b in zip(eager_root.units, lazy_root.units):
+        assert b.flat_param.device.type == "cpu" and torch.equal(a.flat_param, b.flat_param), a.name
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    assert torch.equal(eager(tokens), lazy(tokens))
