@@ -42,9 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import resource  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from contextlib import AbstractContextManager, nullcontext  # noqa: E402
@@ -54,7 +52,6 @@ from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch import nn  # noqa: E402
@@ -68,6 +65,7 @@ from model.transformer import Transformer  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.fsdp import FSDPConfig, fully_shard  # noqa: E402
 from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
+from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
 WORLD = 4
@@ -288,33 +286,6 @@ def maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-# --- spawning ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if rank == 0:
-            results.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable, *args: Any) -> Any:
-    """fn(rank, WORLD, *args) on fresh gloo ranks; returns rank 0's (small) result."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited, so it is set before the children import torch
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_entry, args=(WORLD, _free_port(), fn, args, results), nprocs=WORLD, start_method="spawn")
-    return results.get()
-
-
 # --- report --------------------------------------------------------------------------------------
 def reference_of(cfg: Config) -> Config:
     return Config("fsdp2", cfg.reshard)
@@ -362,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     if opts.quick:
         opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps = 1, 2, 1, 1
     args = model_args(opts.model, opts.seq)
-    timing = spawn(time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
-    memory = {cfg: spawn(peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
+    timing = spawn(WORLD, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
+    memory = {cfg: spawn(WORLD, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
     print(f"model {opts.model}, dp={WORLD} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
           f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
           f"after {opts.warmup} warmup; torch {torch.__version__}\n")

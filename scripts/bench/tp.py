@@ -40,14 +40,12 @@ sys.path.insert(0, str(REPO))
 import argparse  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
@@ -67,6 +65,7 @@ from model.init import init_weights  # noqa: E402
 from model.transformer import TransformerBlock  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.tensor_parallel import TPContext  # noqa: E402
+from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
 SEED = 0
@@ -257,28 +256,6 @@ def slowest_rank(per_rank: list[dict[Config, list[list[float]]]]) -> dict[Config
     """Per configuration, round and step: the max over ranks."""
     return {cfg: [[max(ts) for ts in zip(*rounds)] for rounds in zip(*(t[cfg] for t in per_rank))]
             for cfg in CONFIGS}
-
-
-# --- spawning ------------------------------------------------------------------------------------
-def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, results: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if rank == 0:
-            results.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(world: int, fn: Callable, *args: Any) -> Any:
-    """fn(rank, world, *args) on fresh gloo ranks; returns rank 0's (small) result."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited, so it is set before the children import torch
-    results = mp.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, f"{tmp}/store", fn, args, results), nprocs=world,
-                           start_method="spawn")
-    return results.get()
 
 
 # --- report --------------------------------------------------------------------------------------
