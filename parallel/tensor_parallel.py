@@ -207,7 +207,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local, outside = ctx.saved_tensors
         grad = softmax.clone()
-        grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        rows = grad.view(-1, grad.shape[-1])
+        # Indexed write with one index per row: deterministic on CUDA, unlike a 2-D scatter_add_.
+        rows[torch.arange(rows.shape[0], device=rows.device), local.view(-1)] -= (~outside).view(-1).to(grad.dtype)
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 
