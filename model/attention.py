@@ -66,24 +66,21 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    """Column-parallel q/k/v (each TP rank owns whole heads: n_heads/tp query heads and the
-    n_kv_heads/tp KV heads they share), row-parallel output projection."""
+    """One fused column-parallel q/k/v projection (each TP rank owns whole heads: n_heads/tp query
+    heads and the n_kv_heads/tp KV heads they share), row-parallel output projection."""
 
     def __init__(self, args: ModelArgs, tp: TPContext):
         super().__init__()
         self.tp, self.head_dim = tp, args.head_dim
         self.core = AttentionCore(args.efficient_attn)
-        self.wq = ColumnParallelLinear(args.dim, args.n_heads * args.head_dim, tp)
-        self.wk = ColumnParallelLinear(args.dim, args.n_kv_heads * args.head_dim, tp)
-        self.wv = ColumnParallelLinear(args.dim, args.n_kv_heads * args.head_dim, tp)
+        kv = args.n_kv_heads * args.head_dim
+        self.wqkv = ColumnParallelLinear(args.dim, (args.n_heads * args.head_dim, kv, kv), tp)
         self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.tp.enter(x)
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in self.wqkv.split(self.wqkv(x)))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

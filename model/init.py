@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
-from parallel.tensor_parallel import TPContext
+from parallel.tensor_parallel import TPContext, tp_local_slice
 
 _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
@@ -53,9 +53,7 @@ def full_shape(param: torch.Tensor, tp: TPContext) -> torch.Size:
 
 def local_init_value(name: str, param: torch.Tensor, args: ModelArgs, seed: int, tp: TPContext) -> torch.Tensor:
     """This TP rank's slice of the full initial value; `param` may live on the meta device."""
-    value = full_init_value(name, full_shape(param, tp), args, seed)
-    dim = getattr(param, "tp_dim", None)
-    return value if dim is None else value.chunk(tp.size, dim=dim)[tp.rank].contiguous()
+    return tp_local_slice(full_init_value(name, full_shape(param, tp), args, seed), param, tp)
 
 
 @torch.no_grad()

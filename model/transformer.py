@@ -26,18 +26,17 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU with column-parallel gate/up and a row-parallel down projection."""
+    """SwiGLU with one fused column-parallel gate/up projection and a row-parallel down projection."""
 
     def __init__(self, dim: int, hidden_dim: int, tp: TPContext):
         super().__init__()
         self.tp = tp
-        self.w1 = ColumnParallelLinear(dim, hidden_dim, tp)  # gate
-        self.w3 = ColumnParallelLinear(dim, hidden_dim, tp)  # up
+        self.w13 = ColumnParallelLinear(dim, (hidden_dim, hidden_dim), tp)  # gate, up
         self.w2 = RowParallelLinear(hidden_dim, dim, tp)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.tp.enter(x)
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13.split(self.w13(self.tp.enter(x)))
+        return self.w2(nn.functional.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

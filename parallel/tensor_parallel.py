@@ -132,23 +132,56 @@ class TPContext:
         return scatter_to_sp(partial_sum, self.group) if self.sequence_parallel else reduce_from_tp(partial_sum, self.group)
 
 
-def mark_tp_dim(param: nn.Parameter, dim: int | None) -> nn.Parameter:
-    """Record which dim of a parameter is split over TP (None: replicated); init and export read it."""
+def mark_tp_dim(param: nn.Parameter, dim: int | None, parts: tuple[int, ...] | None = None) -> nn.Parameter:
+    """Record which dim of a parameter is split over TP (None: replicated) and, for a fused parameter,
+    the full sizes of its parts along that dim (each part is split separately); init and export read it."""
     param.tp_dim = dim
+    param.tp_parts = parts
     return param
 
 
-class ColumnParallelLinear(nn.Module):
-    """y[..., out/tp] = x @ W_local^T, W_local = rows [rank*out/tp, (rank+1)*out/tp) of the full W."""
+def tp_local_slice(full: torch.Tensor, param: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """This TP rank's slice of a parameter's full value: part by part for fused parameters."""
+    dim = getattr(param, "tp_dim", None)
+    if dim is None:
+        return full
+    parts = getattr(param, "tp_parts", None) or (full.shape[dim],)
+    return torch.cat([p.chunk(tp.size, dim)[tp.rank] for p in full.split(parts, dim)], dim).contiguous()
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext):
+
+def tp_merge(slices: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+    """The full value from every TP rank's slice (in rank order): the inverse of tp_local_slice."""
+    dim = getattr(param, "tp_dim", None)
+    if dim is None:
+        return slices[0]
+    parts = getattr(param, "tp_parts", None) or (param.shape[dim] * len(slices),)
+    local_sizes = [p // len(slices) for p in parts]
+    per_rank = [s.split(local_sizes, dim) for s in slices]
+    return torch.cat([torch.cat([rank_parts[i] for rank_parts in per_rank], dim) for i in range(len(parts))], dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/tp] = x @ W_local^T, W_local = rows [rank*out/tp, (rank+1)*out/tp) of the full W.
+
+    Several outputs can be fused into one matmul (q/k/v, gate/up): each part is split over TP on its
+    own, so a rank holds [part0_r; part1_r; ...] (for GQA: whole query heads and the KV heads they share).
+    """
+
+    def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: TPContext):
         super().__init__()
         self.tp = tp
-        self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features // tp.size, in_features)), 0)
+        parts = out_features if isinstance(out_features, tuple) else (out_features,)
+        self.local_sizes = [p // tp.size for p in parts]
+        weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
+        self.weight = mark_tp_dim(weight, 0, parts if len(parts) > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x must already be in the TP region (TPContext.enter), so several linears can share one entry."""
         return nn.functional.linear(x, self.weight)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused output's parts (this rank's share of each)."""
+        return y.split(self.local_sizes, dim=-1)
 
 
 class RowParallelLinear(nn.Module):

@@ -18,7 +18,7 @@ from parallel.fsdp import FSDPRoot
 from parallel.fsdp.flat_param import FlatParamSpec, unflatten
 from parallel.fsdp.state_dict import shard_as_dtensor
 from parallel.random import RNGStreams
-from parallel.tensor_parallel import TPContext
+from parallel.tensor_parallel import TPContext, tp_merge
 from trainer.checkpoint import checkpoint_keys, load_checkpoint
 from trainer.config import TrainConfig
 from trainer.optimizer import ADAM_STATE, NamedAdamW
@@ -73,7 +73,7 @@ def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools).
 
     Each unit's [tp, flat] tensor is unflattened per TP rank (with that rank's local shapes) and the
-    TP slices are concatenated along each parameter's split dim; TP-replicated ones come from rank 0.
+    TP slices are merged (part by part for fused parameters); TP-replicated ones come from rank 0.
     """
     tp_size = cfg.model_parallel_size
     with torch.device("meta"):
@@ -86,8 +86,6 @@ def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     for name in names:
         flat = state["model"][f"{name}.flat_param"]
         slices = [unflatten(flat[r], specs[name][r]) for r in range(tp_size)]
-        split_dims = {n: getattr(p, "tp_dim", None) for n, p in ranks[0].get_submodule(name).named_parameters()}
-        for param, dim in split_dims.items():
-            parts = [rank_slices[param] for rank_slices in slices]
-            weights[f"{name}.{param}"] = parts[0] if dim is None else torch.cat(parts, dim=dim)
+        for param_name, param in ranks[0].get_submodule(name).named_parameters():
+            weights[f"{name}.{param_name}"] = tp_merge([rank_slices[param_name] for rank_slices in slices], param)
     return weights

@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-from scripts.export_hf import hf_config, hf_name  # noqa: E402
+from scripts.export_hf import hf_config, to_hf  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def build_pair(args: ModelArgs, seed: int) -> tuple[nn.Module, nn.Module]:
     # sdpa on both sides: the comparison is of the models around attention, not of attention kernels.
     config = LlamaConfig(**hf_config(args, torch.float32), attn_implementation="sdpa", use_cache=False)
     hf = LlamaForCausalLM(config)
-    hf.load_state_dict({hf_name(n): t.detach().clone() for n, t in ours.state_dict().items()}, strict=True)
+    hf.load_state_dict({n: t.detach().clone() for n, t in to_hf(ours.state_dict(), ours.args).items()}, strict=True)
     return ours.train(), hf.train()
 
 

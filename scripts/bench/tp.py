@@ -9,7 +9,7 @@ conf/model/{tiny,small}.yaml, input [batch, seq, dim] (seq-split under SP) requi
 step = forward + `out.sum().backward()`.
   ours:    TransformerBlock built with TPContext(tp_group, sp), init_weights slices of the full weights.
   DTensor: the TP=1 block (its linears swapped for nn.Linear holding the same weights, which is what
-           the parallel styles accept) under torchtitan's llama plan: wq/wk/wv, w1/w3 ColwiseParallel,
+           the parallel styles accept) under torchtitan's llama plan: q/k/v, gate/up ColwiseParallel,
            wo/w2 RowwiseParallel, PrepareModuleInput on attention/feed_forward (Shard(1) -> Replicate
            under SP, Replicate -> Replicate without, so q/k/v share one input DTensor and its gradient
            is reduced once), norms SequenceParallel under SP.
@@ -64,13 +64,12 @@ from model.attention import RotaryEmbedding  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.transformer import TransformerBlock  # noqa: E402
 from parallel import comm  # noqa: E402
-from parallel.tensor_parallel import TPContext  # noqa: E402
+from parallel.tensor_parallel import TPContext, tp_local_slice  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
 SEED = 0
-LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-           "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 _FUNCOL = torch.ops._c10d_functional  # what DTensor's redistributions lower to
 FUNCOL_OPS = {_FUNCOL.all_reduce.default: "all_reduce", _FUNCOL.all_gather_into_tensor.default: "all_gather",
               _FUNCOL.reduce_scatter_tensor.default: "reduce_scatter"}
@@ -106,13 +105,33 @@ def ours(args: ModelArgs, group: dist.ProcessGroup, sp: bool) -> TransformerBloc
     return block
 
 
-def with_nn_linears(block: TransformerBlock) -> TransformerBlock:
+class FusedLinear(nn.Linear):
+    """nn.Linear (the type the parallel styles take) standing in for our fused q/k/v or gate/up layer.
+
+    Its rows are laid out rank by rank ([q_0; k_0; v_0; q_1; ...]) so that DTensor's contiguous row
+    sharding hands every rank the same parts our layer holds; `split` is our layer's."""
+
+    def __init__(self, weight: torch.Tensor, tp_size: int) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        parts = weight.tp_parts
+        self.local_sizes = [p // tp_size for p in parts]
+        ranks = [tp_local_slice(weight.detach(), weight, TPContext(size=tp_size, rank=r)) for r in range(tp_size)]
+        self.weight = nn.Parameter(torch.cat(ranks))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.local_sizes, dim=-1)
+
+
+def with_nn_linears(block: TransformerBlock, tp_size: int) -> TransformerBlock:
     """Swap our TP=1 linears (plain `F.linear(x, weight)`) for nn.Linear, the type the parallel styles take."""
     for name in LINEARS:
         parent, _, child = name.rpartition(".")
         weight = block.get_submodule(name).weight
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight = weight
+        if getattr(weight, "tp_parts", None):
+            linear = FusedLinear(weight, tp_size)
+        else:
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight = weight
         setattr(block.get_submodule(parent), child, linear)
     return block
 
@@ -124,13 +143,10 @@ def dtensor_plan(sp: bool) -> dict[str, Any]:
         "attention": PrepareModuleInput(input_layouts=(between, None, None),
                                         desired_input_layouts=(Replicate(), None, None)),
         # Attention views q/k/v as [batch, seq, local heads, head_dim]: plain local outputs (the default).
-        "attention.wq": ColwiseParallel(use_local_output=True),
-        "attention.wk": ColwiseParallel(use_local_output=True),
-        "attention.wv": ColwiseParallel(use_local_output=True),
+        "attention.wqkv": ColwiseParallel(use_local_output=True),
         "attention.wo": RowwiseParallel(output_layouts=between),
         "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w13": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
     }
     if sp:
@@ -139,7 +155,7 @@ def dtensor_plan(sp: bool) -> dict[str, Any]:
 
 
 def dtensor(args: ModelArgs, mesh: DeviceMesh, sp: bool) -> TransformerBlock:
-    return parallelize_module(with_nn_linears(plain_block(args)), mesh, dtensor_plan(sp))
+    return parallelize_module(with_nn_linears(plain_block(args), mesh.size()), mesh, dtensor_plan(sp))
 
 
 def build(cfg: Config, args: ModelArgs, mesh: DeviceMesh) -> TransformerBlock:

@@ -9,7 +9,7 @@ from model.transformer import Transformer
 from parallel import comm
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.fsdp.flat_param import unflatten
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext, tp_merge, vocab_parallel_cross_entropy
 
 ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 GLOBAL_BATCH, SEQ = 16, 8
@@ -91,21 +91,21 @@ def assert_params_close(got: dict, reference: dict, rel: float, label: str) -> N
 
 
 def full_params(root: FSDPRoot) -> dict[str, torch.Tensor]:
-    """All-gather every unit's shard, unflatten, and join TP slices: {full parameter name: tensor}."""
+    """All-gather every unit's shard, unflatten, and merge TP slices: {full parameter name: tensor}."""
     tp = root.units[0].tp
     with torch.device("meta"):
-        tp_dims = {n: getattr(p, "tp_dim", None) for n, p in Transformer(ARGS, TPContext(size=tp.size)).named_parameters()}
+        params = dict(Transformer(ARGS, TPContext(size=tp.size)).named_parameters())
     out = {}
     for unit in root.units:
         flat = torch.empty(unit.spec.padded)
         comm.all_gather_into_tensor(flat, unit.flat_param.detach(), unit.shard_group)
         for name, local in unflatten(flat, unit.spec).items():
             full_name = f"{unit.name}.{name}"
-            out[full_name] = local if tp.size == 1 or tp_dims[full_name] is None else _gather_tp(local, tp, tp_dims[full_name])
+            out[full_name] = local if tp.size == 1 else _merge_tp(local, tp, params[full_name])
     return out
 
 
-def _gather_tp(local: torch.Tensor, tp: TPGroups, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(local) for _ in range(tp.size)]
-    dist.all_gather(parts, local.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=dim)
+def _merge_tp(local: torch.Tensor, tp: TPGroups, param: torch.Tensor) -> torch.Tensor:
+    slices = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(slices, local.contiguous(), group=tp.group)
+    return tp_merge(slices, param)

@@ -24,11 +24,15 @@ def _world_groups():
 
 
 def _concats_per_step(optimize: bool) -> int:
-    """SplitWithSizesBackward nodes the autograd engine executed in one step."""
+    """Flat-gradient concats the autograd engine executed in one step: SplitWithSizesBackward nodes
+    over 1-D gradients (the flat parameter's chunks), not the model's own splits of activations."""
     shard, rep, rank, world = _world_groups()
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         train_fsdp(FSDPConfig(optimize_backward_concat=optimize), shard, rep, rank, world, M, 1)
-    return sum(1 for e in prof.function_events if e.name == "SplitWithSizesBackward0")
+    return sum(
+        1 for e in prof.function_events
+        if e.name == "SplitWithSizesBackward0" and all(len(shape) == 1 for shape in e.input_shapes)
+    )
 
 
 def _check_concats(rank: int, world: int) -> None:

@@ -10,7 +10,7 @@ from model.transformer import RMSNorm, Transformer
 from parallel import comm
 from parallel.fsdp import FSDPConfig
 from parallel.mesh import ParallelDims, ParallelMesh
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext, tp_merge, vocab_parallel_cross_entropy
 from tests.distributed import fsdp_cases
 from tests.distributed.spawn import run_ranks
 
@@ -43,14 +43,13 @@ def _full_grad(param: torch.nn.Parameter, tp: TPContext) -> torch.Tensor:
     grad = param.grad.detach().clone()
     if tp.size == 1:
         return grad
-    dim = getattr(param, "tp_dim", None)
-    if dim is None:
+    if getattr(param, "tp_dim", None) is None:
         if tp.sequence_parallel:
             dist.all_reduce(grad, group=tp.group)  # each TP rank saw 1/tp of the tokens
         return grad
-    parts = [torch.empty_like(grad) for _ in range(tp.size)]
-    dist.all_gather(parts, grad, group=tp.group)
-    return torch.cat(parts, dim=dim)
+    slices = [torch.empty_like(grad) for _ in range(tp.size)]
+    dist.all_gather(slices, grad, group=tp.group)
+    return tp_merge(slices, param)
 
 
 def _check_against_tp1(rank: int, world: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model.transformer import Transformer
-from scripts.export_hf import hf_name
+from scripts.export_hf import to_hf
 from tests.e2e.launch import REPO, train_ok
 from trainer.config import from_dict
 from trainer.state import load_full_weights
@@ -57,8 +57,8 @@ def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: t
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf_weights = hf.state_dict()
-    for name, weight in ours.state_dict().items():
-        assert torch.equal(hf_weights[hf_name(name)], weight), name
+    for name, weight in to_hf(ours.state_dict(), ours.args).items():
+        assert torch.equal(hf_weights[name], weight), name
 
     args = ours.args
     tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0))

@@ -41,9 +41,9 @@ def test_init_depends_only_on_seed_and_name():
     c = Transformer(one_block)
     del c.layers["0"]
     init_weights(c, one_block, seed=7)
-    assert torch.equal(c.layers["1"].attention.wq.weight, a.layers["1"].attention.wq.weight)
-    other_seed = full_init_value("layers.1.attention.wq.weight", a.layers["1"].attention.wq.weight.shape, ARGS, 8)
-    assert not torch.equal(other_seed, a.layers["1"].attention.wq.weight)
+    assert torch.equal(c.layers["1"].attention.wqkv.weight, a.layers["1"].attention.wqkv.weight)
+    other_seed = full_init_value("layers.1.attention.wqkv.weight", a.layers["1"].attention.wqkv.weight.shape, ARGS, 8)
+    assert not torch.equal(other_seed, a.layers["1"].attention.wqkv.weight)
 
 
 def test_init_stds():
@@ -51,13 +51,13 @@ def test_init_stds():
     init_weights(model, ARGS, seed=0)
     assert torch.equal(model.head.norm.weight, torch.ones(ARGS.dim))
     assert abs(model.tok_embeddings.weight.std().item() - 0.986) < 0.05  # N(0,1) truncated at 3 sigma
-    assert model.layers["0"].attention.wo.weight.std().item() < model.layers["0"].attention.wq.weight.std().item()
+    assert model.layers["0"].attention.wo.weight.std().item() < model.layers["0"].attention.wqkv.weight.std().item()
 
 
 def test_logits_shape_and_ffn_sizing():
     model = Transformer(ARGS)
     assert model(torch.zeros(3, 5, dtype=torch.long)).shape == (3, 5, ARGS.vocab_size)
-    assert model.layers["0"].feed_forward.w1.weight.shape == (ARGS.ffn_hidden_dim, ARGS.dim)
+    assert model.layers["0"].feed_forward.w13.weight.shape == (2 * ARGS.ffn_hidden_dim, ARGS.dim)
     assert ARGS.ffn_hidden_dim % ARGS.multiple_of == 0
     llama3_8b = ModelArgs(dim=4096, ffn_dim_multiplier=1.3, multiple_of=1024)
     assert llama3_8b.ffn_hidden_dim == 14336
