@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with rotary position embeddings.
 
 RoPE uses the rotate-half layout (pairs i and i + head_dim/2), so checkpoints map one-to-one onto
-Hugging Face's Llama weights without permuting wq/wk. Positions are explicit so context parallelism
+Hugging Face's Llama weights without permuting the q/k rows. Positions are explicit so context parallelism
 can pass each rank's global token positions.
 """
 
