@@ -56,7 +56,7 @@ class FSDPRoot:
         for unit in self.units:
             if unit.flat_param.grad is not None:
                 squares = unit.flat_param.grad.pow(2)
-                mask = unit.norm_mask()
+                mask = unit.norm_mask
                 total += (squares if mask is None else squares * mask).sum()
         if self.shard_group.size() > 1:
             comm.all_reduce(total, self.shard_group)

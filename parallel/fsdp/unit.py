@@ -91,6 +91,7 @@ class FSDPUnit:
             del sub._parameters[attr]
         module.register_parameter("flat_param", self.flat_param)
         self._owners = owners
+        self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
         self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
         _free(self._buffer)
@@ -107,7 +108,7 @@ class FSDPUnit:
     def full(self) -> torch.Tensor:
         return self._full
 
-    def norm_mask(self) -> torch.Tensor | None:
+    def _norm_mask(self) -> torch.Tensor | None:
         """Which of this rank's shard elements count toward the global grad norm: TP-replicated
         parameters are counted on TP rank 0 only. None means all of them."""
         if self.tp.rank == 0 or not self.tp_replicated:
