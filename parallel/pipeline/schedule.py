@@ -1,0 +1,249 @@
+"""Pipeline schedules as data: one list of actions per rank, readable, diffable, simulatable.
+
+A pipeline of `pp` ranks with `vpp` model chunks per rank has pp x vpp virtual stages; chunk c of rank
+r is stage c * pp + r. A microbatch's forward runs through the stages in order, its backward in reverse.
+
+Building a schedule has two parts:
+
+1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
+   backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
+   backwards) or `interleaved_1f1b` (Megatron's order over groups of pp microbatches, which allows
+   microbatch counts that are not multiples of pp).
+2. The point-to-point transfers, placed by list-scheduling the compute orders with unit costs
+   (forward 1, backward 2): the transfer of an output finished at time t goes into communication
+   batch "t" of both sender and receiver. Every rank's batches are then in increasing t, and each
+   batch's operations are matched by batches of the same t on the peers, so no rank can wait on a
+   batch that waits on it: no deadlock by construction, with NCCL's blocking semantics (a send waits
+   for its receive) as much as with gloo's. A deadlocking compute order is caught while placing.
+
+Consecutive SEND/RECV actions form one batch (`batch_isend_irecv`); inside a batch, even ranks list
+sends first and odd ranks receives first, the pairing by parity Megatron uses for unbatched p2p.
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from parallel.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+FORWARD, BACKWARD = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+# Unit costs used to place transfers (backward computes two matmuls per forward one).
+_PLACEMENT_COST = {FORWARD: 1, BACKWARD: 2}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program. For transfers, `chunk` is the local chunk that produced (SEND)
+    or will consume (RECV) the tensor, and `peer` the other pipeline rank."""
+
+    rank: int
+    op: str
+    chunk: int
+    microbatch: int
+    peer: int | None = None
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in (FORWARD, BACKWARD)
+
+    def __str__(self) -> str:
+        text = f"r{self.rank} {self.op} c{self.chunk} m{self.microbatch}"
+        if self.peer is None:
+            return text
+        return f"{text} {'->' if self.op.startswith('SEND') else '<-'} r{self.peer}"
+
+
+def check_layout(schedule: str, pp: int, vpp: int) -> None:
+    """Which schedules take virtual stages; one line naming the keys otherwise."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline_schedule={schedule} is not one of: {' | '.join(SCHEDULES)}")
+    if schedule == "interleaved_1f1b" and vpp < 2:
+        raise ConfigError(
+            f"pipeline_schedule=interleaved_1f1b needs at least 2 virtual stages per rank, got {vpp} (set "
+            "num_layers_per_virtual_pipeline_stage so that model.n_layers / (pipeline_parallel_size x it) >= 2)"
+        )
+    if schedule != "interleaved_1f1b" and vpp > 1:
+        raise ConfigError(
+            f"pipeline_schedule={schedule} runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
+            f"gives {vpp}; use pipeline_schedule=interleaved_1f1b or unset num_layers_per_virtual_pipeline_stage"
+        )
+
+
+def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """The forwards and backwards of one rank, in the order the schedule runs them."""
+    check_layout(schedule, pp, vpp)
+    if microbatches < 1:
+        raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
+    if schedule == "interleaved_1f1b":
+        return _interleaved_order(pp, vpp, microbatches, rank, _interleaved_group(pp, vpp, microbatches))
+    forwards = [(0, mb) for mb in range(microbatches)]
+    warmup = microbatches if schedule == "gpipe" else min(pp - rank - 1, microbatches)
+    return _one_f_one_b(rank, forwards, forwards, warmup)
+
+
+def _interleaved_order(pp: int, vpp: int, microbatches: int, rank: int, group: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: groups of `group` microbatches run through every chunk before the
+    next group starts (the last group takes whatever is left); backwards visit the chunks in reverse."""
+    forwards = []
+    for first in range(0, microbatches, group):
+        last = microbatches if first + group >= microbatches else first + group
+        forwards += [(chunk, mb) for chunk in range(vpp) for mb in range(first, last)]
+    backwards = [(vpp - 1 - chunk, mb) for chunk, mb in forwards]
+    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, len(forwards))
+    return _one_f_one_b(rank, forwards, backwards, warmup)
+
+
+@lru_cache(maxsize=64)
+def _interleaved_group(pp: int, vpp: int, microbatches: int) -> int:
+    """The microbatch group size: Megatron's (pp) or torch's (microbatches / rounds, rounds =
+    max(1, microbatches // pp), where that divides), whichever valid one finishes first at unit costs;
+    the whole batch as one group, which is always valid, only when neither is."""
+    rounds = max(1, microbatches // pp)
+    candidates = {pp} | ({microbatches // rounds} if microbatches % rounds == 0 else set())
+    makespans = {}
+    for group in sorted(candidates):
+        orders = [_interleaved_order(pp, vpp, microbatches, r, group) for r in range(pp)]
+        try:
+            makespans[group] = max(_list_schedule(orders, pp, vpp, "interleaved_1f1b", microbatches)[1].values())
+        except ConfigError:
+            continue
+    return min(makespans, key=lambda g: (makespans[g], g)) if makespans else microbatches
+
+
+def _one_f_one_b(rank: int, forwards: list, backwards: list, warmup: int) -> list[Action]:
+    """`warmup` forwards, then alternate one forward and one backward, then the remaining backwards."""
+    order = [Action(rank, FORWARD, c, mb) for c, mb in forwards[:warmup]]
+    for (fc, fmb), (bc, bmb) in zip(forwards[warmup:], backwards):
+        order += [Action(rank, FORWARD, fc, fmb), Action(rank, BACKWARD, bc, bmb)]
+    done = len(forwards) - warmup
+    order += [Action(rank, BACKWARD, c, mb) for c, mb in backwards[done:]]
+    return order
+
+
+def stage_of(action: Action, pp: int) -> int:
+    return action.chunk * pp + action.rank
+
+
+def upstream(stage: int, op: str, num_stages: int) -> int | None:
+    """The stage whose output this stage's op consumes: the previous stage's activation for a
+    forward, the next stage's input gradient for a backward; None at the pipeline's ends."""
+    if op == FORWARD:
+        return stage - 1 if stage > 0 else None
+    return stage + 1 if stage < num_stages - 1 else None
+
+
+def downstream(stage: int, op: str, num_stages: int) -> int | None:
+    """The stage that consumes this stage's output of op: the next stage's forward takes a forward's
+    activation, the previous stage's backward a backward's input gradient; None at the ends."""
+    if op == FORWARD:
+        return stage + 1 if stage < num_stages - 1 else None
+    return stage - 1 if stage > 0 else None
+
+
+@lru_cache(maxsize=64)
+def pipeline_actions(schedule: str, pp: int, vpp: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's program: compute actions with their transfers placed (see the module docstring)."""
+    orders = [compute_order(schedule, pp, vpp, microbatches, r) for r in range(pp)]
+    start, end = _list_schedule(orders, pp, vpp, schedule, microbatches)
+    num_stages = pp * vpp
+    batches: dict[tuple[int, int], list[Action]] = {}  # (rank, slot time) -> transfers
+    for order in orders:
+        for a in order:
+            consumer = downstream(stage_of(a, pp), a.op, num_stages)
+            if consumer is None or consumer % pp == a.rank:
+                continue  # the pipeline's end, or a hand-over between chunks of one rank
+            peer, slot = consumer % pp, end[a]
+            send, recv = (SEND_F, RECV_F) if a.op == FORWARD else (SEND_B, RECV_B)
+            batches.setdefault((a.rank, slot), []).append(Action(a.rank, send, a.chunk, a.microbatch, peer))
+            batches.setdefault((peer, slot), []).append(Action(peer, recv, consumer // pp, a.microbatch, a.rank))
+    programs = []
+    for rank, order in enumerate(orders):
+        # A batch at slot t runs after computes that started before t and before those starting at t.
+        keyed = [((start[a], 1), [a]) for a in order]
+        keyed += [((slot, 0), _parity_sorted(ops, rank)) for (r, slot), ops in batches.items() if r == rank]
+        programs.append(tuple(a for _, group in sorted(keyed, key=lambda k: k[0]) for a in group))
+    return tuple(programs)
+
+
+def _parity_sorted(ops: list[Action], rank: int) -> list[Action]:
+    sends_first = rank % 2 == 0
+    return sorted(ops, key=lambda a: (a.op.startswith("SEND") != sends_first, a.peer, a.op, a.microbatch))
+
+
+def _list_schedule(orders: list[list[Action]], pp: int, vpp: int, schedule: str, microbatches: int):
+    """Start and end time of every compute action at unit costs, each as early as its rank and its
+    inputs allow. Raises ConfigError when the orders wait on each other forever."""
+    num_stages = pp * vpp
+    done: dict[tuple[str, int, int], int] = {}  # (op, stage, mb) -> end time
+    start: dict[Action, int] = {}
+    end: dict[Action, int] = {}
+    position, free_at = [0] * pp, [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                a = order[position[rank]]
+                ready = _ready_time(a, pp, num_stages, done)
+                if ready is None:
+                    break
+                start[a] = max(free_at[rank], ready)
+                end[a] = free_at[rank] = start[a] + _PLACEMENT_COST[a.op]
+                done[(a.op, stage_of(a, pp), a.microbatch)] = end[a]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ConfigError(
+                f"pipeline_schedule={schedule} has no valid order for {microbatches} microbatches "
+                f"(batch_size / microbatch_size) with pipeline_parallel_size={pp} and {vpp} chunks per rank"
+            )
+    return start, end
+
+
+def _ready_time(a: Action, pp: int, num_stages: int, done: dict) -> int | None:
+    """When a compute action's inputs exist (None: not yet computed)."""
+    stage = stage_of(a, pp)
+    needs = []
+    if a.op == BACKWARD:
+        needs.append((FORWARD, stage, a.microbatch))
+    source = upstream(stage, a.op, num_stages)
+    if source is not None:
+        needs.append((a.op, source, a.microbatch))
+    if any(n not in done for n in needs):
+        return None
+    return max((done[n] for n in needs), default=0)
+
+
+def transfer_key(a: Action, pp: int, num_stages: int) -> tuple[str, int, int]:
+    """What a SEND/RECV carries, the same on both sides: (the op that consumes it, the consuming
+    stage, microbatch)."""
+    stage = stage_of(a, pp)
+    if a.op in (RECV_F, RECV_B):
+        return (FORWARD if a.op == RECV_F else BACKWARD, stage, a.microbatch)
+    op = FORWARD if a.op == SEND_F else BACKWARD
+    return (op, downstream(stage, op, num_stages), a.microbatch)
+
+
+def batched(program: list[Action]) -> list[list[Action]]:
+    """A program as steps: a compute action alone, or a run of consecutive transfers (one batch)."""
+    steps: list[list[Action]] = []
+    for a in program:
+        if not a.is_compute and steps and not steps[-1][0].is_compute:
+            steps[-1].append(a)
+        else:
+            steps.append([a])
+    return steps
+
+
+def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """One rank's program: `(pp, vpp, num_microbatches, rank) -> list[Action]`."""
+    return list(pipeline_actions(schedule, pp, vpp, microbatches)[rank])
+
+
+def chunk_layers(n_layers: int, pp: int, vpp: int, rank: int, chunk: int) -> range:
+    """The global layer indices of chunk `chunk` of rank `rank`: layer block chunk * pp + rank."""
+    per_stage = n_layers // (pp * vpp)
+    stage = chunk * pp + rank
+    return range(stage * per_stage, (stage + 1) * per_stage)

@@ -1,0 +1,164 @@
+"""Run the ranks' action lists on a clock instead of on devices: timeline, bubble, memory, picture.
+
+No process group is needed. Each rank executes its program in order; a compute action takes its cost;
+a communication batch posts all its operations when the rank reaches it and completes when every
+operation's counterpart has been posted by its peer (plus the p2p cost): NCCL's semantics, the
+strictest, so a program that completes here cannot deadlock on a real backend. The simulation also
+checks that every compute finds its input already there, so it validates the schedule it times.
+"""
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parallel.pipeline.schedule import BACKWARD, FORWARD, Action, batched, downstream, stage_of, transfer_key, upstream
+
+CostFn = Callable[[Action], float]
+
+
+class ScheduleError(RuntimeError):
+    """An action list that deadlocks or computes before its input exists."""
+
+
+def uniform_costs(forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0) -> CostFn:
+    return lambda a: forward if a.op == FORWARD else backward if a.op == BACKWARD else p2p
+
+
+def random_costs(seed: int) -> CostFn:
+    """Every action its own cost, drawn once: the stress test of an order's independence of timing."""
+    rng, drawn = random.Random(seed), {}
+
+    def cost(a: Action) -> float:
+        if a not in drawn:
+            drawn[a] = rng.uniform(0.2, 3.0) if a.is_compute else rng.uniform(0.0, 0.5)
+        return drawn[a]
+
+    return cost
+
+
+@dataclass
+class Span:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    pp: int
+    vpp: int
+    spans: list[list[Span]] = field(default_factory=list)  # per rank: compute spans in run order
+    peak_in_flight: list[int] = field(default_factory=list)  # per rank: (chunk, microbatch) activations held
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for rank in self.spans for s in rank), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.spans[rank])
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over ranks of the share of the makespan a rank spends idle."""
+        makespan = self.makespan
+        return sum(1.0 - self.busy(r) / makespan for r in range(self.pp)) / self.pp
+
+    @property
+    def peak_microbatches(self) -> list[float]:
+        """Peak activations held per rank, in whole-stage microbatches (a chunk holds 1/vpp of a stage)."""
+        return [p / self.vpp for p in self.peak_in_flight]
+
+
+class _Simulation:
+    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn):
+        self.pp, self.num_stages, self.cost = pp, pp * vpp, cost
+        self.steps = [batched(list(p)) for p in programs]
+        self.position, self.clock = [0] * pp, [0.0] * pp
+        self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
+        self.posted: dict[tuple, float] = {}  # (key, is_send) -> time posted
+        self.in_flight, self.timeline = [0] * pp, Timeline(pp, vpp, [[] for _ in range(pp)], [0] * pp)
+
+    def run(self) -> Timeline:
+        while any(self.position[r] < len(self.steps[r]) for r in range(self.pp)):
+            posted = len(self.posted)
+            advanced = [self._advance(r) for r in range(self.pp)]
+            if not any(advanced) and len(self.posted) == posted:
+                stuck = [str(self.steps[r][self.position[r]][0]) for r in range(self.pp)
+                         if self.position[r] < len(self.steps[r])]
+                raise ScheduleError(f"deadlock: ranks wait at {', '.join(stuck)}")
+        return self.timeline
+
+    def _advance(self, rank: int) -> bool:
+        if self.position[rank] >= len(self.steps[rank]):
+            return False
+        step = self.steps[rank][self.position[rank]]
+        done = self._compute(rank, step[0]) if step[0].is_compute else self._transfer(rank, step)
+        if done:
+            self.position[rank] += 1
+        return done
+
+    def _compute(self, rank: int, a: Action) -> bool:
+        stage = stage_of(a, self.pp)
+        needs = [(a.op, stage, a.microbatch)] if upstream(stage, a.op, self.num_stages) is not None else []
+        if a.op == BACKWARD:
+            needs.append(("done", stage, a.microbatch))
+        missing = [n for n in needs if n not in self.available[rank]]
+        if missing:
+            raise ScheduleError(f"{a} runs before its input {missing[0]} is on rank {rank}")
+        start = self.clock[rank]
+        self.clock[rank] = start + self.cost(a)
+        self.timeline.spans[rank].append(Span(a, start, self.clock[rank]))
+        consumer = downstream(stage, a.op, self.num_stages)
+        if consumer is not None and consumer % self.pp == rank:  # hand-over between local chunks
+            self.available[rank].add((a.op, consumer, a.microbatch))
+        if a.op == FORWARD:
+            self.available[rank].add(("done", stage, a.microbatch))
+        self.in_flight[rank] += 1 if a.op == FORWARD else -1
+        peak = self.timeline.peak_in_flight
+        peak[rank] = max(peak[rank], self.in_flight[rank])
+        return True
+
+    def _transfer(self, rank: int, batch: list[Action]) -> bool:
+        keys = [(transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")) for a in batch]
+        for key in keys:
+            self.posted.setdefault(key, self.clock[rank])
+        if any((key, not is_send) not in self.posted for key, is_send in keys):
+            return False
+        finish = max(max(self.posted[(k, s)], self.posted[(k, not s)]) + self.cost(a) for (k, s), a in zip(keys, batch))
+        self.clock[rank] = max(self.clock[rank], finish)
+        self.available[rank].update(k for k, is_send in keys if not is_send)
+        return True
+
+
+def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None) -> Timeline:
+    """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
+    return _Simulation(programs, pp, vpp, cost or uniform_costs()).run()
+
+
+def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
+    """One row per rank, one colour per microbatch; forwards light, backwards dark, chunks labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    microbatches = 1 + max(s.action.microbatch for rank in timeline.spans for s in rank)
+    palette = plt.get_cmap("tab20" if microbatches > 10 else "tab10")
+    fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.35), 0.6 * timeline.pp + 1.2))
+    for rank, spans in enumerate(timeline.spans):
+        for s in spans:
+            base = to_rgb(palette(s.action.microbatch % palette.N))
+            shade = 0.55 if s.action.op == FORWARD else 0.0  # mix forwards with white
+            color = tuple(c + (1 - c) * shade for c in base)
+            ax.broken_barh([(s.start, s.end - s.start)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black",
+                           linewidth=0.5)
+            label = f"{s.action.op}{s.action.microbatch}" + (f"c{s.action.chunk}" if timeline.vpp > 1 else "")
+            ax.text((s.start + s.end) / 2, rank, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward = 1)")
+    ax.set_title(f"{title}  bubble {timeline.bubble_fraction:.1%}".strip())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

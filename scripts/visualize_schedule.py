@@ -1,0 +1,57 @@
+"""Draw a pipeline schedule as a timeline PNG and print its bubble and memory; no GPU, no process group.
+
+    python scripts/visualize_schedule.py pp=4 vpp=2 microbatches=8 schedule=interleaved_1f1b out.png
+
+Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk) and actions=FILE (write
+every rank's action list, one action per line, e.g. `r1 F c0 m3`, to diff two schedules).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parallel.errors import ConfigError  # noqa: E402
+from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
+from parallel.pipeline.simulate import draw_timeline, simulate, uniform_costs  # noqa: E402
+
+DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
+            "actions": ""}
+USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b] OUT.png"
+
+
+def parse(argv: list[str]) -> tuple[dict[str, str], str]:
+    options, outputs = dict(DEFAULTS), []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            outputs.append(arg)
+        elif key in options:
+            options[key] = value
+        else:
+            raise SystemExit(f"error: unknown option {key!r}\n{USAGE}")
+    if len(outputs) != 1:
+        raise SystemExit(USAGE)
+    return options, outputs[0]
+
+
+def main(argv: list[str]) -> None:
+    options, out = parse(argv)
+    try:
+        pp, vpp, m = int(options["pp"]), int(options["vpp"]), int(options["microbatches"])
+        costs = uniform_costs(float(options["forward"]), float(options["backward"]), float(options["p2p"]))
+        programs = pipeline_actions(options["schedule"], pp, vpp, m)
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    timeline = simulate(programs, pp, vpp, costs)
+    title = f"{options['schedule']}  pp={pp} vpp={vpp} microbatches={m}"
+    draw_timeline(timeline, out, title)
+    if options["actions"]:
+        Path(options["actions"]).write_text("".join(f"{a}\n" for program in programs for a in program))
+    peak = ", ".join(f"{p:g}" for p in timeline.peak_microbatches)
+    print(f"{title}: makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%} "
+          f"(analytic {(pp - 1) / (vpp * m + pp - 1):.1%}), peak activations per rank (microbatches) [{peak}] -> {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
