@@ -70,21 +70,30 @@ class OutputHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPContext | None = None):
+    """The whole model, or one pipeline chunk of it: the blocks `layers` (global indices), with the
+    embedding only on the chunk that starts the model and the head only on the one that ends it."""
+
+    def __init__(
+        self, args: ModelArgs, tp: TPContext | None = None, layers: range | None = None,
+        embedding: bool = True, head: bool = True,
+    ):
         super().__init__()
         self.args = args
         self.tp = tp or TPContext()
-        self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp)
+        layers = range(args.n_layers) if layers is None else layers
+        self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp) if embedding else None
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp) for i in range(args.n_layers)})
-        self.head = OutputHead(args, self.tp)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp) for i in layers})
+        self.head = OutputHead(args, self.tp) if head else None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab/tp] in the compute dtype."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] (or, past the first chunk, hidden states [batch, seq or seq/tp under SP,
+        dim]) -> logits [batch, seq, vocab/tp] (or hidden states, before the last chunk)."""
+        h = x if self.tok_embeddings is None else self.tok_embeddings(x)
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens)
+            seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
+            positions = torch.arange(seq, device=x.device)
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.head(h)
+        return h if self.head is None else self.head(h)

@@ -80,6 +80,10 @@ class ParallelMesh:
             "dp": self.mesh["dp_replicate", "dp_shard"]._flatten("dp"),
             "dp_shard_cp": self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            # The loss: summed over the data each rank saw, from the last stage (others add zero).
+            "pp_dp_cp": self.mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("pp_dp_cp"),
+            # The gradient norm: every piece of every parameter lives on exactly one of these ranks.
+            "pp_dp_shard_cp_tp": self.mesh["pp", "dp_shard", "cp", "tp"]._flatten("pp_dp_shard_cp_tp"),
         }
         # One group can carry several names (dp_shard_cp is dp_shard when cp=1, dp may be the world
         # group): the first name wins, mesh dimensions before "world".

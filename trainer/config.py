@@ -94,6 +94,18 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    @property
+    def virtual_pipeline_stages(self) -> int:
+        """Model chunks per pipeline rank: n_layers / (pp x layers per virtual stage); 1 when unset."""
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is None:
+            return 1
+        return self.model.n_layers // (self.pipeline_parallel_size * per_stage)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batch_size // self.microbatch_size
+
     def model_args(self) -> ModelArgs:
         """The model-facing subset of `model.*`, plus the sequence length the RoPE tables must cover."""
         shared = {f.name: getattr(self.model, f.name) for f in fields(ModelArgs) if hasattr(self.model, f.name)}
@@ -112,9 +124,7 @@ ENUMS = {
 
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
-    ("pipeline_parallel_size", 1),
     ("context_parallel_size", 1),
-    ("num_layers_per_virtual_pipeline_stage", None),
     ("profile_freq", 0),
     ("dump_profile_traces", False),
     ("profile_with_stack", False),

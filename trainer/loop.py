@@ -1,7 +1,8 @@
-"""The optimizer-step loop: microbatches with gradient accumulation, one gradient sync, one step.
+"""The optimizer-step loop: the pipeline runs the step's microbatches, then one gradient sync, one step.
 
-The loop is the microbatch scheduler of the FSDP protocol: it marks the first and last microbatch, so
-gradients are reduced once per step, after the last microbatch's backward.
+The pipeline runtime (also with one stage, where its 1F1B program is forward, backward, forward, ...)
+is the microbatch scheduler of the FSDP protocol: it marks each chunk's first and last microbatch,
+so every chunk reduces its gradients once per step, during its own last backward.
 
 Each microbatch's loss is its token-loss sum divided by the token count of the whole global batch,
 so accumulated and data-parallel-summed gradients are those of the global mean loss, and the logged
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.fsdp import FSDPRoot
+from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
+from parallel.pipeline.runtime import PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
@@ -34,8 +36,9 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | 
 class Trainer:
     cfg: TrainConfig
     mesh: ParallelMesh
-    model: nn.Module
-    fsdp: FSDPRoot
+    chunks: list[nn.Module]  # this pipeline rank's model chunks
+    roots: list[FSDPRoot]  # their FSDP roots
+    runtime: PipelineRuntime
     optimizer: NamedAdamW
     loader: BatchLoader
     device: torch.device
@@ -51,31 +54,43 @@ class Trainer:
         start = time.perf_counter()
         comm.LEDGER.reset()
         loss_sum = self._forward_backward(step)
-        self.fsdp.finish_gradient_sync()
-        grad_norm = self.fsdp.grad_norm()
-        if not math.isfinite(grad_norm):  # every rank holds the same reduced norm: all stop together
-            raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; stopping before the update")
-        clip_grads(self.optimizer.grads(), grad_norm, self.cfg.optim.clip_grad_norm)
+        for root in self.roots:
+            root.finish_gradient_sync()
+        norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
+        if not math.isfinite(norm):  # every rank holds the same reduced norm: all stop together
+            raise FloatingPointError(f"step {step}: gradient norm is {norm}; stopping before the update")
+        clip_grads(self.optimizer.grads(), norm, self.cfg.optim.clip_grad_norm)
         lr = lr_at(step, self.cfg.steps, self.cfg.optim)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        if self.mesh.dims.dp > 1:
-            comm.all_reduce(loss_sum, self.mesh.group("dp"))
+        loss_group = self.mesh.group("pp_dp_cp")
+        if loss_group.size() > 1:  # the last stage's sums over its data; other stages add zero
+            comm.all_reduce(loss_sum, loss_group)
         loss = loss_sum.item() / self.global_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        return self._metrics(step, loss, grad_norm, lr, elapsed)
+        return self._metrics(step, loss, norm, lr, elapsed)
 
     def _forward_backward(self, step: int) -> torch.Tensor:
+        """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        microbatches = self.loader.batch(step - 1)
-        for i, (inputs, targets) in enumerate(microbatches):
-            self.fsdp.set_microbatch(is_first=i == 0, is_last=i == len(microbatches) - 1)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            mb_loss = token_loss_sum(self.model(inputs), targets, self.model.tp)
-            (mb_loss / self.global_tokens).backward()
+        dims = self.mesh.dims
+        pp_rank = self.mesh.rank_in("pp")
+        # Only the first stage reads the inputs and only the last the targets.
+        microbatches = self.loader.batch(step - 1) if pp_rank in (0, dims.pp - 1) else []
+        tp = self.chunks[-1].tp
+
+        def inputs(mb: int) -> torch.Tensor:
+            return microbatches[mb][0].to(self.device)
+
+        def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
+            nonlocal loss_sum
+            mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp)
             loss_sum += mb_loss.detach().double()
+            return mb_loss / self.global_tokens
+
+        self.runtime.run_step(inputs, loss)
         return loss_sum
 
     def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float) -> StepMetrics:

@@ -15,8 +15,9 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
 
 class NamedAdamW:
-    def __init__(self, model: nn.Module, cfg: OptimConfig):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, modules: list[nn.Module], cfg: OptimConfig):
+        """`modules` hold disjoint parameters under distinct names (pipeline chunks of one model)."""
+        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.opt = torch.optim.AdamW(

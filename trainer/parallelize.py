@@ -1,7 +1,8 @@
-"""Apply the parallelisms: TP shapes the model as it is built; then activation checkpointing and FSDP.
+"""Apply the parallelisms: PP picks each rank's layers and TP shapes them as the model chunks are built;
+then activation checkpointing and FSDP, one root per chunk.
 
-The units are the embedding, each transformer block and the output head, in forward order. FSDP
-shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas (HSDP).
+The units are the embedding, each transformer block and the output head a chunk holds, in forward
+order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas (HSDP).
 """
 
 import torch
@@ -11,6 +12,7 @@ from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
+from parallel.pipeline.schedule import chunk_layers
 from parallel.tensor_parallel import TPContext
 from trainer.config import TrainConfig
 
@@ -18,7 +20,24 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def fsdp_unit_names(model: Transformer) -> list[str]:
-    return ["tok_embeddings", *(f"layers.{i}" for i in model.layers), "head"]
+    embedding = ["tok_embeddings"] if model.tok_embeddings is not None else []
+    head = ["head"] if model.head is not None else []
+    return [*embedding, *(f"layers.{i}" for i in model.layers), *head]
+
+
+def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int) -> list[Transformer]:
+    """This pipeline rank's model chunks, on the meta device (parallelize() gives each FSDP unit its
+    initial values as it shards it). Parameter names are those of the whole model, so every layout
+    initializes and checkpoints the same parameters under the same names."""
+    pp, vpp, n_layers = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.model.n_layers
+    with torch.device("meta"):
+        return [
+            Transformer(
+                cfg.model_args(), tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
+                embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1,
+            )
+            for chunk in range(vpp)
+        ]
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model.transformer import Transformer
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
+from parallel.pipeline.runtime import PipelineRuntime
+from parallel.pipeline.schedule import schedule_actions
 from parallel.random import RNGStreams
-from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
@@ -22,7 +22,7 @@ from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
-from trainer.parallelize import DTYPES, parallelize, tp_context
+from trainer.parallelize import DTYPES, build_chunks, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler
 from trainer.state import checkpoint_state, load_into
 from trainer.tokenizer import Tokenizer
@@ -40,10 +40,17 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(cfg: TrainConfig, tp: TPContext) -> Transformer:
-    """On the meta device: parallelize() gives each FSDP unit its initial values as it shards it."""
-    with torch.device("meta"):
-        return Transformer(cfg.model_args(), tp)
+def build_runtime(
+    cfg: TrainConfig, mesh: ParallelMesh, chunks: list, roots: list, dtype: torch.dtype, device: torch.device
+) -> PipelineRuntime:
+    """This rank's program of the step; stages exchange [microbatch, seq (/tp under SP), dim] tensors."""
+    pp_rank = mesh.rank_in("pp")
+    program = schedule_actions(
+        cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches, pp_rank
+    )
+    seq = cfg.seq_len // (cfg.model_parallel_size if cfg.model.sequence_parallel else 1)
+    shape = (cfg.microbatch_size, seq, cfg.model.dim)
+    return PipelineRuntime(program, cfg.pipeline_parallel_size, chunks, roots, mesh.group("pp"), shape, dtype, device)
 
 
 def log0(rank: int, msg: str) -> None:
@@ -70,23 +77,29 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     dump_dir.mkdir(parents=True, exist_ok=True)
     log = partial(log0, launch.rank)
     tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
-    tp = tp_context(cfg, mesh)
-    rng = RNGStreams(cfg.seed, tp.rank, device)
-    model = build_model(cfg, tp)
-    fsdp = parallelize(model, cfg, mesh, compute_dtype(cfg, device), device)
-    optimizer = NamedAdamW(model, cfg.optim)
-    state = partial(checkpoint_state, fsdp, optimizer, rng, loader.sampler, mesh.shard_tp_mesh(), rank=launch.rank)
+    trainer = build_trainer(cfg, mesh, loader, device)
+    rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
+    state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler, mesh.shard_tp_mesh(),
+                    rank=launch.rank, pp=dims.pp)
     start_step = _resume(cfg, state(step=0), rng, loader.sampler, dump_dir / "checkpoints", launch, log)
-    trainer = Trainer(
-        cfg, mesh, model, fsdp, optimizer, loader, device,
-        flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
-        peak_flops=device_peak_flops(device),
-    )
     config_file = dump_dir / "train_config.json"
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file}
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
+
+
+def build_trainer(cfg: TrainConfig, mesh: ParallelMesh, loader: BatchLoader, device: torch.device) -> Trainer:
+    """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
+    dtype = compute_dtype(cfg, device)
+    chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"))
+    roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]
+    return Trainer(
+        cfg, mesh, chunks, roots, build_runtime(cfg, mesh, chunks, roots, dtype, device), NamedAdamW(chunks, cfg.optim),
+        loader, device,
+        flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
+        peak_flops=device_peak_flops(device),
+    )
 
 
 def _build_data(

@@ -26,17 +26,19 @@ from trainer.sampler import GlobalBatchSampler
 from trainer.parallelize import fsdp_unit_names
 
 
-def rng_key(rank: int, world: int, tp: int) -> str:
+def rng_key(rank: int, world: int, tp: int, pp: int) -> str:
     """RNG streams belong to a rank of one layout: another layout must not inherit them."""
-    return f"rank{rank}_of_{world}_tp{tp}"
+    return f"rank{rank}_of_{world}_tp{tp}_pp{pp}"
 
 
 def checkpoint_state(
-    root: FSDPRoot, optimizer: NamedAdamW, rng: RNGStreams, sampler: GlobalBatchSampler, mesh: DeviceMesh,
-    step: int, rank: int,
+    roots: list[FSDPRoot], optimizer: NamedAdamW, rng: RNGStreams, sampler: GlobalBatchSampler, mesh: DeviceMesh,
+    step: int, rank: int, pp: int,
 ) -> dict:
-    """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place."""
-    units = {f"{u.name}.flat_param": u for u in root.units}
+    """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place.
+    Units are keyed by their names in the whole model, so each pipeline stage saves and loads its own
+    units and a checkpoint reloads under any pipeline layout."""
+    units = {f"{u.name}.flat_param": u for root in roots for u in root.units}
     opt_state = optimizer.state()
     return {
         "model": {key: shard_as_dtensor(u, u.flat_param, mesh) for key, u in units.items()},
@@ -47,12 +49,8 @@ def checkpoint_state(
         },
         "trainer": {"step": torch.tensor(step, dtype=torch.int64)}
         | {k: torch.tensor(v, dtype=torch.int64) for k, v in sampler.state_dict().items()},
-        "rng": {_rng_key(root, rank): rng.state()},
+        "rng": {rng_key(rank, torch.distributed.get_world_size(), roots[0].units[0].tp.size, pp): rng.state()},
     }
-
-
-def _rng_key(root: FSDPRoot, rank: int) -> str:
-    return rng_key(rank, torch.distributed.get_world_size(), root.units[0].tp.size)
 
 
 def load_into(

@@ -7,6 +7,7 @@ is reported as such, not as "not supported yet").
 
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
+from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, TrainConfig, get_key
 
 _POSITIVE = (
@@ -29,6 +30,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_enums(cfg)
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
+    # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
+    pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
     dims = ParallelDims.from_sizes(
         world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size, cfg.dp_replicate
     )

@@ -49,21 +49,26 @@ class FSDPRoot:
                     f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
                 )
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of all gradients: shards are disjoint over the shard group, TP slices over TP
-        (TP-replicated parameters counted once), so square-sums add over both groups."""
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient elements (TP-replicated ones counted on TP rank 0 only)."""
         total = torch.zeros((), dtype=torch.float32, device=self.units[0].flat_param.device)
         for unit in self.units:
             if unit.flat_param.grad is not None:
                 squares = unit.flat_param.grad.pow(2)
                 mask = unit.norm_mask
                 total += (squares if mask is None else squares * mask).sum()
-        if self.shard_group.size() > 1:
-            comm.all_reduce(total, self.shard_group)
-        tp = self.units[0].tp
-        if tp.size > 1:
-            comm.all_reduce(total, tp.group)
-        return total.sqrt().item()
+        return total
+
+
+def grad_norm(roots: list[FSDPRoot], groups: list[ProcessGroup]) -> float:
+    """Global L2 norm of the gradients of several roots (e.g. one per pipeline chunk). Shards are
+    disjoint over the shard group, TP slices over TP, chunks over pipeline stages: the square sums
+    add up over `groups`, which together must span exactly those ranks (one group in the trainer)."""
+    total = sum(root.grad_square_sum() for root in roots)
+    for group in groups:
+        if group.size() > 1:
+            comm.all_reduce(total, group)
+    return total.sqrt().item()
 
 
 def fully_shard(

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import parallel.fsdp.unit as fsdp_unit
 from parallel import comm
-from parallel.fsdp import FSDPConfig
+from parallel.fsdp import FSDPConfig, grad_norm
 from parallel.fsdp.hooks import in_backward
 from tests.distributed.fsdp_cases import ARGS, GLOBAL_BATCH, SEQ, UNITS, global_batch, loss_sum, make_model, train_fsdp
 from tests.distributed.spawn import run_ranks
@@ -132,7 +132,7 @@ def _check_memory_and_grad_norm(rank: int, world: int) -> None:
     norms, grad_numel = [], []
 
     def on_step(step, root):
-        norms.append(root.grad_norm())
+        norms.append(grad_norm([root], [root.shard_group]))
         grad_numel.append(sum(u.flat_param.grad.numel() for u in root.units))
 
     root, _ = train_fsdp(FSDPConfig(), shard, rep, rank, world, M, 1, on_step)

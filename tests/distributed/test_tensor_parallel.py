@@ -8,7 +8,7 @@ from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import RMSNorm, Transformer
 from parallel import comm
-from parallel.fsdp import FSDPConfig
+from parallel.fsdp import FSDPConfig, grad_norm
 from parallel.mesh import ParallelDims, ParallelMesh
 from parallel.tensor_parallel import TPContext, tp_merge, vocab_parallel_cross_entropy
 from tests.distributed import fsdp_cases
@@ -129,7 +129,7 @@ def _check_tp_with_fsdp(rank: int, world: int) -> None:
         tp = TPContext(mesh.group("tp"), sequence_parallel=sp)
         norms = []
         root, _ = fsdp_cases.train_fsdp(FSDPConfig(), mesh.group("dp_shard_cp"), None, mesh.dp_rank, mesh.dims.dp, 2,
-                                        3, lambda s, r: norms.append(r.grad_norm()), tp=tp)
+                                        3, lambda s, r: norms.append(grad_norm([r], [r.shard_group, tp.group])), tp=tp)
         fsdp_cases.assert_params_close(fsdp_cases.full_params(root), reference, 1e-6, f"tp=2 dp=2 sp={sp}")
         model = fsdp_cases.make_model()
         inputs, targets = fsdp_cases.global_batch(0)

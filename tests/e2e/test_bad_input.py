@@ -31,6 +31,8 @@ def assert_one_error(proc, *fragments: str) -> None:
         (("batch_size=3", "microbatch_size=2"), ("batch_size=3", "microbatch_size=2")),
         (("steps=many",), ("steps='many'", "int")),
         (("model.use_fp8=true",), ("model.use_fp8", "not supported yet")),
+        (("pipeline_parallel_size=4",), ("model.n_layers=2", "pipeline_parallel_size=4")),
+        (("pipeline_schedule=interleaved_1f1b",), ("pipeline_schedule=interleaved_1f1b", "2 virtual stages")),
     ],
 )
 def test_bad_config_one_line(tmp_path, overrides, fragments):

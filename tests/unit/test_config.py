@@ -61,6 +61,14 @@ def test_llama3_8b_dimensions():
         (["optim.beta2=1.0"], 1, "optim.beta2=1.0 must be in [0, 1)"),
         (["model.ffn_dim_multiplier=0"], 1, "model.ffn_dim_multiplier=0.0 must be > 0 (or null)"),
         (["seq_len=30", "context_parallel_size=2"], 2, "seq_len=30 is not divisible by 2 x context_parallel_size=4"),
+        (["model.n_layers=6", "pipeline_parallel_size=4"], 4, "model.n_layers=6 is not divisible by pipeline_parallel_size=4"),
+        (["model.n_layers=6", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=2"], 2,
+         "model.n_layers=6 is not divisible by pipeline_parallel_size x num_layers_per_virtual_pipeline_stage=4"),
+        (["pipeline_parallel_size=2", "pipeline_schedule=interleaved_1f1b"], 2,
+         "pipeline_schedule=interleaved_1f1b needs at least 2 virtual stages per rank, got 1"),
+        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1"], 2,
+         "pipeline_schedule=1f1b runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
+        (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
@@ -70,8 +78,7 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 
 UNBUILT_VALUES = {
-    "pipeline_parallel_size": "2", "context_parallel_size": "2",
-    "num_layers_per_virtual_pipeline_stage": "1", "profile_freq": "5", "dump_profile_traces": "true",
+    "context_parallel_size": "2", "profile_freq": "5", "dump_profile_traces": "true",
     "profile_with_stack": "true", "mem_snapshot_stop_step": "3",
     "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
     "model.use_fp8": "true", "model.fp8_wgrad": "false",

@@ -1,0 +1,113 @@
+"""Execute one rank's pipeline program for one optimizer step: compute, p2p, FSDP microbatch marks.
+
+The runtime is the FSDP microbatch scheduler. From the program it knows, for each local model chunk,
+which microbatch the chunk runs forward first and which it runs backward last; before every forward
+and backward it tells that chunk's FSDP root `is_first_microbatch` / `is_last_microbatch`. So each
+chunk reduces its gradients during its own last backward (chunks finish at different times under
+interleaving), once per step, and nothing waits for the schedule's end to start reducing.
+
+Tensors between stages have a fixed shape and dtype (no shape exchange): activations forward,
+their gradients backward. Received activations become leaves that require grad; their `.grad` after
+the chunk's backward is what goes upstream. A hand-over between two chunks of one rank (the last
+stage of a round feeding the first of the next, when pp = 1) skips the network.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from parallel import comm
+from parallel.fsdp import FSDPRoot
+from parallel.pipeline.schedule import (
+    BACKWARD, FORWARD, RECV_B, RECV_F, Action, batched, downstream, stage_of, transfer_key,
+)
+
+Inputs = Callable[[int], torch.Tensor]  # microbatch -> the first stage's input (token ids)
+Loss = Callable[[torch.Tensor, int], torch.Tensor]  # (last stage's output, microbatch) -> loss to backward
+
+
+class PipelineRuntime:
+    def __init__(
+        self, program: list[Action], pp: int, chunks: list[nn.Module], roots: list[FSDPRoot],
+        group: ProcessGroup | None, activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    ):
+        """`chunks[c]` is local chunk c (stage c * pp + rank) and `roots[c]` its FSDP root."""
+        self.pp, self.chunks, self.roots, self.group = pp, chunks, roots, group
+        self.rank = program[0].rank
+        self.num_stages = pp * len(chunks)
+        self.steps = batched(program)
+        self.shape, self.dtype, self.device = activation_shape, dtype, device
+        computes = [a for a in program if a.is_compute]
+        # Per chunk: the microbatch it runs forward first and backward last (the FSDP marks).
+        self.first_forward = {a.chunk: a.microbatch for a in reversed(computes) if a.op == FORWARD}
+        self.last_backward = {a.chunk: a.microbatch for a in computes if a.op == BACKWARD}
+        self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
+        self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
+        # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
+        self.trace: list[tuple[Action, float, float]] | None = None
+
+    def run_step(self, inputs: Inputs, loss: Loss) -> None:
+        """Run every forward and backward of the step; gradients are left in the FSDP units."""
+        for step in self.steps:
+            a, start = step[0], time.time()
+            if not a.is_compute:
+                self._exchange(step)
+            elif a.op == FORWARD:
+                self._forward(a, inputs, loss)
+            else:
+                self._backward(a)
+            if self.trace is not None:
+                self.trace.append((a, start, time.time()))
+        if self._saved or self._inbox or self._outbox:
+            raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
+
+    def _mark(self, a: Action) -> None:
+        self.roots[a.chunk].set_microbatch(
+            is_first=a.microbatch == self.first_forward[a.chunk], is_last=a.microbatch == self.last_backward[a.chunk]
+        )
+
+    def _forward(self, a: Action, inputs: Inputs, loss: Loss) -> None:
+        self._mark(a)
+        stage = stage_of(a, self.pp)
+        if stage == 0:
+            x = inputs(a.microbatch)
+        else:
+            x = self._inbox.pop((FORWARD, stage, a.microbatch)).requires_grad_()
+        y = self.chunks[a.chunk](x)
+        if stage == self.num_stages - 1:
+            y = loss(y, a.microbatch)
+        else:
+            self._route(FORWARD, stage, a.microbatch, y.detach())
+        self._saved[(a.chunk, a.microbatch)] = (x, y)
+
+    def _backward(self, a: Action) -> None:
+        self._mark(a)
+        stage = stage_of(a, self.pp)
+        x, y = self._saved.pop((a.chunk, a.microbatch))
+        if stage == self.num_stages - 1:
+            torch.autograd.backward(y)
+        else:
+            torch.autograd.backward(y, self._inbox.pop((BACKWARD, stage, a.microbatch)))
+        if stage > 0:
+            self._route(BACKWARD, stage, a.microbatch, x.grad)
+
+    def _route(self, op: str, stage: int, microbatch: int, tensor: torch.Tensor) -> None:
+        consumer = downstream(stage, op, self.num_stages)
+        box = self._inbox if consumer % self.pp == self.rank else self._outbox
+        box[(op, consumer, microbatch)] = tensor.contiguous()
+
+    def _exchange(self, batch: list[Action]) -> None:
+        ops, received = [], {}
+        for a in batch:
+            key = transfer_key(a, self.pp, self.num_stages)
+            if a.op in (RECV_F, RECV_B):
+                tensor = received[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append((False, tensor, a.peer))
+            else:
+                ops.append((True, self._outbox.pop(key), a.peer))
+        comm.batch_isend_irecv(ops, self.group)
+        self._inbox.update(received)

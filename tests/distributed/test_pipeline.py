@@ -1,0 +1,140 @@
+"""Pipeline parallelism through the trainer's step on gloo ranks: every schedule, pp 2 and 4, one and two
+chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
+single-process losses; exact per-step collective counts; one flat-grad concat per unit per step; and the
+8-rank tp x pp x dp composition (bf16 bitwise with optimize_backward_concat on and off, fp32 against
+tp=1/pp=1/dp=1)."""
+
+import math
+
+import pytest
+from torch.autograd.profiler import profile
+
+from parallel import comm
+from tests.distributed.pipeline_cases import (
+    MODEL, SEQ, config, expected_p2p, make_trainer, read_reference_losses, train, write_reference_losses,
+)
+from tests.distributed.spawn import run_ranks
+
+# (pp, layers per virtual stage) -> chunks per rank with n_layers=8: pp2 x 2 layers = 2, pp4 x 1 layer = 2.
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {2: 2, 4: 1}}
+MICROBATCHES = {2: (2, 4, 3), 4: (4, 8, 5)}
+GLOBAL_BATCHES = [4, 5, 6, 8]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, list[float]]:
+    path = str(tmp_path_factory.mktemp("reference") / "losses.json")
+    run_ranks(1, write_reference_losses, GLOBAL_BATCHES, path)
+    return read_reference_losses(path)
+
+
+def _assert_close(got: list[float], want: list[float], label: str, rel: float = 1e-5) -> None:
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert math.isclose(a, b, rel_tol=rel), f"{label} step {step}: {a} vs {b}"
+
+
+def _layouts(world: int):
+    for pp, counts in MICROBATCHES.items():
+        dp = world // pp
+        for schedule, per_stage in SCHEDULES.items():
+            for i, m in enumerate(counts):
+                overrides = dict(pipeline_parallel_size=pp, pipeline_schedule=schedule, batch_size=m,
+                                 reshard_after_forward=i % 2 == 0, optimize_backward_concat=i == 1)
+                if pp in per_stage:
+                    overrides["num_layers_per_virtual_pipeline_stage"] = per_stage[pp]
+                yield f"pp{pp} dp{dp} {schedule} m{m}", config(**overrides), m * dp
+
+
+def _check_layouts(rank: int, world: int, reference: dict) -> None:
+    for label, cfg, global_batch in _layouts(world):
+        trainer, metrics = train(cfg, world)
+        _assert_close([m.loss for m in metrics], reference[global_batch], label)
+        ledger = metrics[-1].comm
+        units = sum(len(root.units) for root in trainer.roots)
+        m, dp = cfg.num_microbatches, trainer.mesh.dims.dp
+        p2p = expected_p2p(cfg, trainer.mesh.rank_in("pp"))
+        assert ledger["send"]["count"] == ledger["recv"]["count"] == p2p, (label, ledger)
+        assert ledger["send"]["bytes"] == p2p * SEQ * MODEL["dim"] * 4, (label, ledger)
+        if dp > 1:  # ZeRO-3 gathers before every forward and backward, ZeRO-2 once per step
+            gathers = units * (2 * m if cfg.reshard_after_forward else 1)
+            assert ledger["all_gather"]["count"] == gathers, (label, ledger)
+            assert ledger["reduce_scatter"]["count"] == units, (label, ledger)
+        else:
+            assert "all_gather" not in ledger and "reduce_scatter" not in ledger, (label, ledger)
+        assert ledger["all_reduce"]["count"] == 2, (label, ledger)  # the grad norm and the loss, one each
+
+
+def _check_one_concat_per_unit(rank: int, world: int) -> None:
+    for optimize in (True, False):
+        cfg = config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", batch_size=3, steps=1,
+                     num_layers_per_virtual_pipeline_stage=2, optimize_backward_concat=optimize)
+        with profile(record_shapes=True) as prof:
+            trainer, _ = train(cfg, world)
+        concats = sum(1 for e in prof.function_events
+                      if e.name == "SplitWithSizesBackward0" and all(len(s) == 1 for s in e.input_shapes))
+        units = sum(len(root.units) for root in trainer.roots)
+        assert concats == units * (1 if optimize else cfg.num_microbatches), (optimize, concats, units)
+
+
+def _check_composition_on_4_ranks(rank: int, world: int, reference: dict) -> None:
+    """HSDP (2 replicas of pp=2, the replica all-reduce asynchronous per unit) and activation checkpointing."""
+    for overrides in ({"dp_replicate": 2}, {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}}):
+        cfg = config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", batch_size=3,
+                     num_layers_per_virtual_pipeline_stage=2, reshard_after_forward=True, **overrides)
+        trainer, metrics = train(cfg, world)
+        _assert_close([m.loss for m in metrics], reference[6], str(overrides))
+        units = sum(len(root.units) for root in trainer.roots)
+        ledger, m = metrics[-1].comm, cfg.num_microbatches
+        if "dp_replicate" in overrides:  # shards of one rank: nothing to gather, one all-reduce per unit
+            assert "all_gather" not in ledger and ledger["all_reduce"]["count"] == units + 2, ledger
+        else:  # recompute never gathers again
+            assert ledger["all_gather"]["count"] == units * 2 * m, (overrides, ledger)
+
+
+def _check_each_chunk_reduces_in_its_own_last_backward(rank: int, world: int) -> None:
+    """Under interleaving, chunk 1 finishes its backwards before chunk 0: its reduce-scatters must run
+    right then, inside its last backward, not at the end of the schedule."""
+    cfg = config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", batch_size=4, steps=1,
+                 num_layers_per_virtual_pipeline_stage=2)
+    trainer = make_trainer(cfg, world)
+    runtime, reductions = trainer.runtime, []
+    original = runtime._backward
+
+    def backward(a):
+        before = comm.LEDGER.count("reduce_scatter")
+        original(a)
+        reductions.append((a.chunk, a.microbatch, comm.LEDGER.count("reduce_scatter") - before))
+
+    runtime._backward = backward
+    trainer.train_step(1)
+    for chunk, root in enumerate(trainer.roots):
+        last = runtime.last_backward[chunk]
+        assert [(mb, n) for c, mb, n in reductions if c == chunk and n] == [(last, len(root.units))], reductions
+    assert reductions[-1][0] == 0 and any(n for c, _, n in reductions[:-1] if c == 1)
+
+
+def _pipeline_ranks(rank: int, world: int, reference: dict) -> None:
+    _check_layouts(rank, world, reference)
+    _check_one_concat_per_unit(rank, world)
+    _check_composition_on_4_ranks(rank, world, reference)
+    _check_each_chunk_reduces_in_its_own_last_backward(rank, world)
+
+
+def test_pipeline_layouts_match_one_process(reference):
+    run_ranks(4, _pipeline_ranks, reference)
+
+
+def _composition(rank: int, world: int, reference: dict) -> None:
+    """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b, 2 for interleaved."""
+    for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2)):
+        layout = dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule=schedule,
+                      num_layers_per_virtual_pipeline_stage=per_stage, model={"sequence_parallel": True})
+        bf16 = [[m.loss for m in train(config(**layout, compute_dtype="bf16", optimize_backward_concat=opt), world)[1]]
+                for opt in (False, True)]
+        assert bf16[0] == bf16[1], (schedule, bf16)
+        fp32 = [m.loss for m in train(config(**layout, optimize_backward_concat=True), world)[1]]
+        _assert_close(fp32, reference[8], f"tp2 pp2 dp2 {schedule}")
+
+
+def test_tp_pp_dp_composition(reference):
+    run_ranks(8, _composition, reference)
