@@ -103,15 +103,14 @@ def reduce_scatter_tensor(
     return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
-def batch_isend_irecv(ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup | None) -> None:
-    """Post point-to-point sends (True) and receives (False) to ranks of `group` as one batch, and wait
-    for all of them. The ledger counts each as a "send" or "recv" of its tensor's bytes."""
+def batch_isend_irecv(ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup | None) -> list[Work]:
+    """Post point-to-point sends (True) and receives (False) to ranks of `group` as one batch; returns
+    one work per op, in order. The ledger counts each as a "send" or "recv" of its tensor's bytes."""
     p2p = []
     for is_send, tensor, peer in ops:
         LEDGER.record("send" if is_send else "recv", group, _nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group, group_peer=peer))
-    for work in dist.batch_isend_irecv(p2p):
-        work.wait()
+    return dist.batch_isend_irecv(p2p)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Work
 
 from parallel import comm
 from parallel.fsdp import FSDPRoot
@@ -46,6 +46,7 @@ class PipelineRuntime:
         self.last_backward = {a.chunk: a.microbatch for a in computes if a.op == BACKWARD}
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
+        self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the step's end
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
         # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
         self.trace: list[tuple[Action, float, float]] | None = None
@@ -62,6 +63,9 @@ class PipelineRuntime:
                 self._backward(a)
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
         if self._saved or self._inbox or self._outbox:
             raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
 
@@ -101,6 +105,9 @@ class PipelineRuntime:
         box[(op, consumer, microbatch)] = tensor.contiguous()
 
     def _exchange(self, batch: list[Action]) -> None:
+        """Post the batch; wait for its receives only. A send's tensor is never written again, so its
+        wait can be deferred to the step's end and the rank computes on meanwhile (as
+        torch.distributed.pipelining does); the posting order, which is what must match, is unchanged."""
         ops, received = [], {}
         for a in batch:
             key = transfer_key(a, self.pp, self.num_stages)
@@ -109,5 +116,9 @@ class PipelineRuntime:
                 ops.append((False, tensor, a.peer))
             else:
                 ops.append((True, self._outbox.pop(key), a.peer))
-        comm.batch_isend_irecv(ops, self.group)
+        for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, self.group)):
+            if is_send:
+                self._sending.append((work, tensor))  # the tensor must outlive the send
+            else:
+                work.wait()
         self._inbox.update(received)

@@ -2,7 +2,9 @@
 measured bubble beside the simulated one. CPU gloo, world = pp ranks (dp = 1: neither side shards).
 
 Ours: the trainer's own step path (build_trainer; the runtime's batched p2p, FSDP units with a shard
-group of one). Torch: `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding the
+group of one, reshard_after_forward=false: with nothing sharded, re-gathering is only copying;
+optimize_backward_concat=true, as the runtime marks microbatches; torch marks none, so over the same
+chunks each microbatch's backward concatenates and adds its flat gradient). Torch: `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding the
 same chunks (same layers, same weights, plain modules). Both run the pipelined forward + backward of
 one step (M microbatches of 1 sequence, fp32, 1 thread per rank) with the same loss (token-loss sum
 over the global token count; torch with scale_grads=False); the optimizer is left out of both.
@@ -12,7 +14,8 @@ Timing: all configurations of one pp live in the same pp processes and run inter
 (a barrier before each step); the table gives medians and the median over rounds of the per-round
 ours/torch ratio. Bubble: from our runtime's per-action wall-clock timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
-beside the simulator's value for the same program with the measured mean forward and backward times.
+beside the simulator's value for the same program with each rank's measured mean forward and
+backward times (p2p free).
 
     python scripts/bench/pp.py [--model small] [--seq 128] [--rounds 5] [--steps-per-round 2] [--quick]
 """
@@ -36,7 +39,7 @@ from model.init import init_weights  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
-from parallel.pipeline.simulate import simulate, uniform_costs  # noqa: E402
+from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import TPContext  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
@@ -65,7 +68,8 @@ def bench_config(model: str, seq: int, pp: int, schedule: str, m: int) -> TrainC
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml"))
     per_stage = raw["n_layers"] // (2 * pp) if schedule == "interleaved_1f1b" else None
     return from_dict({"model": raw, "seq_len": seq, "batch_size": m, "pipeline_parallel_size": pp,
-                      "pipeline_schedule": schedule, "num_layers_per_virtual_pipeline_stage": per_stage})
+                      "pipeline_schedule": schedule, "num_layers_per_virtual_pipeline_stage": per_stage,
+                      "reshard_after_forward": False, "optimize_backward_concat": True})
 
 
 class Ours:
@@ -75,7 +79,7 @@ class Ours:
                                      torch.device("cpu"))
 
     def step(self, step: int) -> float:
-        loss = self.trainer._forward_backward(step)
+        loss = self.trainer._forward_backward(step + 1)  # the trainer's steps are 1-based
         for root in self.trainer.roots:
             root.finish_gradient_sync()
         self.trainer.optimizer.zero_grad()
@@ -83,27 +87,47 @@ class Ours:
 
 
 class Torch:
-    def __init__(self, cfg: TrainConfig, world: int):
+    """torch.distributed.pipelining over this rank's chunks: ours with their FSDP units (`fsdp=True`: the
+    same stage modules; torch marks no microbatch, so every backward adds its gradient into the
+    one-rank shard, a local add) or plain modules with the same weights."""
+
+    def __init__(self, cfg: TrainConfig, world: int, fsdp: bool):
         rank, pp = dist.get_rank(), cfg.pipeline_parallel_size
         self.data = RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size)
-        self.chunks = build_chunks(cfg, TPContext(), rank)
-        for chunk in self.chunks:
-            chunk.to_empty(device="cpu")
-            init_weights(chunk, cfg.model_args(), cfg.seed)
+        if fsdp:
+            trainer = Ours(cfg, world).trainer
+            self.chunks, self.roots = trainer.chunks, trainer.roots
+        else:
+            self.chunks, self.roots = build_chunks(cfg, TPContext(), rank), []
+            for chunk in self.chunks:
+                chunk.to_empty(device="cpu")
+                init_weights(chunk, cfg.model_args(), cfg.seed)
         global_tokens = cfg.num_microbatches * cfg.seq_len
         self.first, self.last = rank == 0, rank == pp - 1
-        stages = [PipelineStage(chunk, c * pp + rank, pp * len(self.chunks), torch.device("cpu"))
-                  for c, chunk in enumerate(self.chunks)]
+        stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]
         loss = lambda logits, targets: token_loss_sum(logits, targets) / global_tokens  # noqa: E731
         m = cfg.num_microbatches
         self.schedule = (Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False) if len(stages) == 1
                          else ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False))
+
+    @staticmethod
+    def _stage(cfg: TrainConfig, chunk: torch.nn.Module, index: int, num_stages: int) -> PipelineStage:
+        """Shapes given up front: torch's shape inference would run an extra forward, which FSDP units
+        rightly count as a forward whose backward never came."""
+        hidden = torch.empty(1, cfg.seq_len, cfg.model.dim, requires_grad=True)
+        tokens = torch.zeros(1, cfg.seq_len, dtype=torch.int64)
+        logits = torch.empty(1, cfg.seq_len, cfg.model.vocab_size, requires_grad=True)
+        return PipelineStage(chunk, index, num_stages, torch.device("cpu"),
+                             input_args=(tokens if index == 0 else hidden,),
+                             output_args=logits if index == num_stages - 1 else hidden)
 
     def step(self, step: int) -> float:
         tokens, losses = self.data.tokens(step), []
         args = (tokens[:, :-1],) if self.first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
         self.schedule.step(*args, **kwargs)
+        for root in self.roots:
+            root.finish_gradient_sync()
         for chunk in self.chunks:
             chunk.zero_grad(set_to_none=True)
         return sum(loss.item() for loss in losses) * self.data.microbatches * self.data.seq if self.last else 0.0
@@ -116,45 +140,56 @@ def timed(runner, step: int) -> float:
     return time.perf_counter() - start
 
 
-def measured_bubble(trace: list) -> tuple[float, float, float]:
-    """(idle share averaged over ranks, mean forward time, mean backward time) from all ranks' traces."""
+def measured_bubble(trace: list) -> tuple[float, CostFn]:
+    """From every rank's trace: the idle share of each rank between the step's first start and last end,
+    averaged over ranks, and each rank's mean forward and backward times as simulator costs (stages
+    differ: the first holds the embedding, the last the head and the loss)."""
     per_rank = comm.all_gather_object(trace, None)
     start = min(s for t in per_rank for _, s, _ in t)
     makespan = max(e for t in per_rank for _, _, e in t) - start
     busy = [sum(e - s for a, s, e in t if a.is_compute) for t in per_rank]
-    forward = statistics.mean(e - s for t in per_rank for a, s, e in t if a.op == "F")
-    backward = statistics.mean(e - s for t in per_rank for a, s, e in t if a.op == "B")
-    return sum(1 - b / makespan for b in busy) / len(busy), forward, backward
+    means = {(rank, op): statistics.mean(e - s for a, s, e in t if a.op == op)
+             for rank, t in enumerate(per_rank) for op in ("F", "B")}
+    return sum(1 - b / makespan for b in busy) / len(busy), lambda a: means.get((a.rank, a.op), 0.0)
+
+
+SIDES = ("ours", "torch_fsdp_chunks", "torch_plain")
 
 
 def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> list[dict]:
     configs = [bench_config(model, seq, world, s, m) for s in ("1f1b", "interleaved_1f1b") for m in (2 * world, 4 * world)]
-    runners = [(Ours(cfg, world), Torch(cfg, world)) for cfg in configs]
-    losses = [(comm_sum(ours.step(0)), comm_sum(theirs.step(0))) for ours, theirs in runners]  # warmup
-    times = [[[], []] for _ in configs]
+    runners = [(Ours(cfg, world), Torch(cfg, world, fsdp=True), Torch(cfg, world, fsdp=False)) for cfg in configs]
+    losses = [[comm_sum(side.step(0)) for side in sides] for sides in runners]  # also the warmup
+    times = [[[] for _ in SIDES] for _ in configs]
     for r in range(rounds):
         for i in range(len(configs)):
             j = (i + r) % len(configs)
-            for side in (0, 1):
+            for side in range((i + r) % len(SIDES), (i + r) % len(SIDES) + len(SIDES)):
+                side %= len(SIDES)
                 times[j][side].append([max(comm.all_gather_object(timed(runners[j][side], 1 + s), None))
                                        for s in range(k)])
-    results = []
-    for cfg, (ours, _), (t_ours, t_torch), (l_ours, l_torch) in zip(configs, runners, times, losses):
-        ours.trainer.runtime.trace = []
-        ours.step(99)
-        bubble, forward, backward = measured_bubble(ours.trainer.runtime.trace)
-        ours.trainer.runtime.trace = None
-        vpp = cfg.virtual_pipeline_stages
-        sim = simulate(pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches), world, vpp,
-                       uniform_costs(forward, backward)).bubble_fraction
-        results.append({
-            "pp": world, "schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches,
-            "ours_ms": 1e3 * statistics.median(t for rnd in t_ours for t in rnd),
-            "torch_ms": 1e3 * statistics.median(t for rnd in t_torch for t in rnd),
-            "ratio": statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(t_ours, t_torch)),
-            "bubble": bubble, "simulated": sim, "loss_rel_diff": abs(l_ours - l_torch) / abs(l_torch),
-        })
-    return results
+    return [_result(cfg, world, sides[0], t, loss) for cfg, sides, t, loss in zip(configs, runners, times, losses)]
+
+
+def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
+    """Median over rounds of the per-round ratio of medians."""
+    return statistics.median(statistics.median(x) / statistics.median(y) for x, y in zip(a, b))
+
+
+def _result(cfg: TrainConfig, world: int, ours: Ours, times: list, losses: list[float]) -> dict:
+    ours.trainer.runtime.trace = []
+    ours.step(99)
+    bubble, costs = measured_bubble(ours.trainer.runtime.trace)
+    ours.trainer.runtime.trace = None
+    vpp = cfg.virtual_pipeline_stages
+    program = pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches)
+    simulated = simulate(program, world, vpp, costs).bubble_fraction
+    ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
+    return {
+        "pp": world, "schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,
+        "vs_same": _ratio(times[0], times[1]), "vs_plain": _ratio(times[0], times[2]),
+        "bubble": bubble, "simulated": simulated, "loss_rel_diff": max(abs(x - losses[0]) / losses[0] for x in losses),
+    }
 
 
 def comm_sum(value: float) -> float:
@@ -175,12 +210,15 @@ def main() -> None:
     if opts.quick:
         opts.rounds, opts.steps_per_round = 2, 1
     print(f"torch {torch.__version__}, model={opts.model}, seq {opts.seq}, microbatch 1, fp32, CPU gloo, 1 thread/rank")
-    print("| pp | schedule | M | ours ms | torch ms | ours/torch | bubble measured | bubble simulated | loss rel diff |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| pp | schedule | M | ours ms | torch (same chunks) ms | torch (plain) ms | ours / torch same | "
+          "ours / torch plain | bubble measured | bubble simulated | loss rel diff |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for pp in (2, 4):
         for r in spawn(pp, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round):
-            print(f"| {r['pp']} | {r['schedule']} | {r['m']} | {r['ours_ms']:.0f} | {r['torch_ms']:.0f} | "
-                  f"{r['ratio']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | {r['loss_rel_diff']:.1e} |", flush=True)
+            ms = r["ms"]
+            print(f"| {r['pp']} | {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch_fsdp_chunks']:.0f} | "
+                  f"{ms['torch_plain']:.0f} | {r['vs_same']:.3f} | {r['vs_plain']:.3f} | {r['bubble']:.1%} | "
+                  f"{r['simulated']:.1%} | {r['loss_rel_diff']:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
