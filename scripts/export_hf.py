@@ -1,4 +1,5 @@
-"""Export a training checkpoint as a Hugging Face Llama folder: config.json, model.safetensors, tokenizer.model.
+"""Export a training checkpoint as a Hugging Face Llama folder: config.json, model.safetensors, tokenizer.model
+and tokenizer_config.json (transformers reads the tokenizer with `sentencepiece` and `protobuf` installed).
 
 Evaluation harnesses and inference servers read Hugging Face's layout, not DCP shards. The export runs
 as one plain process (no torchrun, no process group): the manifest is verified locally and DCP loads in
@@ -25,7 +26,7 @@ from safetensors.torch import save_file  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
-from trainer.checkpoint import checkpoint_files_problem  # noqa: E402
+from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
 from trainer.state import load_full_weights  # noqa: E402
 from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
@@ -105,6 +106,10 @@ def read_train_config(ckpt: Path) -> TrainConfig:
 
 def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
     """Verify every file's sha256 first: DCP itself would load flipped bits without a word."""
+    if not (ckpt / MANIFEST).is_file():
+        newest = latest_checkpoint(ckpt / "checkpoints")
+        hint = f"; its newest complete checkpoint is {newest}" if newest else ""
+        raise ConfigError(f"{ckpt} is not a checkpoint (a step_N folder under dump_dir/checkpoints){hint}")
     problem = checkpoint_files_problem(ckpt, rank=0, world=1, checksums=True)
     if problem:
         raise ConfigError(problem)
@@ -121,6 +126,16 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
     # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
     shutil.copymode(out / "config.json", out / "model.safetensors")
     shutil.copyfile(ckpt / "tokenizer.model", out / "tokenizer.model")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+
+
+def tokenizer_config() -> dict:
+    """How transformers must read tokenizer.model to give training's ids: BOS first (packing puts one
+    before every document), no EOS appended, no space prefixed (the BPE was trained without one)."""
+    return {
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False, "add_prefix_space": False,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

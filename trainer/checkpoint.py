@@ -33,12 +33,18 @@ class CheckpointError(ConfigError):
     """A checkpoint that is corrupt, truncated or does not match the run."""
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest step_N folder with a manifest (complete); None if there is none."""
+def checkpoint_step(path: Path) -> int:
+    """The step a step_N folder was written after."""
+    return int(path.name[len(_STEP_PREFIX):])
+
+
+def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
+    """The newest step_N folder with a manifest (complete), of a step below `before` if given; None if
+    there is none."""
     steps = []
     for path in root.glob(f"{_STEP_PREFIX}*"):
         suffix = path.name[len(_STEP_PREFIX):]
-        if suffix.isdigit() and (path / MANIFEST).is_file():
+        if suffix.isdigit() and (path / MANIFEST).is_file() and (before is None or int(suffix) < before):
             steps.append((int(suffix), path))
     return max(steps)[1] if steps else None
 

@@ -64,6 +64,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class ResumeConfig:
+    # Keys a resume may change although the checkpoint was written with other values (see
+    # trainer/fingerprint.py for which ones may be listed).
+    allow_changed: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TrainConfig:
     dump_dir: str = "dump/default"
     steps: int = 100
@@ -93,6 +100,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
     @property
     def virtual_pipeline_stages(self) -> int:
@@ -162,6 +170,10 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
+    if get_origin(hint) is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
+        return [_coerce(f"{key}[{i}]", get_args(hint)[0], item) for i, item in enumerate(value)]
     allowed = get_args(hint) if get_origin(hint) in (Union, type(int | None)) else (hint,)
     if value is None:
         if type(None) in allowed:

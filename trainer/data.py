@@ -29,6 +29,7 @@ from trainer.token_shards import (
 from trainer.tokenizer import Tokenizer, train_tokenizer, trainer_settings_fingerprint
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
+TEXT_CHECK_BYTES = 1 << 20  # how much of a single-file source is checked to be UTF-8 text
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 # Bump when the cache layout or packing format changes, so old caches are not reused.
@@ -57,6 +58,7 @@ def resolve_source_files(source: str | None) -> list[Path]:
     if not root.exists():
         raise ConfigError(f"data.source={source} does not exist")
     if root.is_file():
+        _check_text_file(root, source)
         return [root]
     files = [
         path
@@ -66,6 +68,21 @@ def resolve_source_files(source: str | None) -> list[Path]:
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
     return sorted(files, key=lambda path: str(path.relative_to(root)))
+
+
+def _check_text_file(path: Path, source: str) -> None:
+    """A file named on its own must be text: a folder is filtered by suffix, a single file is checked."""
+    if path.suffix not in SOURCE_SUFFIXES:
+        raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
+    with path.open("rb") as f:
+        head = f.read(TEXT_CHECK_BYTES)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not just a character cut at the end of the sample
+            raise ConfigError(f"data.source={source} is not UTF-8 text (invalid byte at offset {e.start})")
+    if b"\0" in head:
+        raise ConfigError(f"data.source={source} is not text (it contains NUL bytes)")
 
 
 def _is_hidden(relative: Path) -> bool:

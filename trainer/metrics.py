@@ -1,9 +1,13 @@
 """Per-step metrics: one JSON object per logged step in {dump_dir}/metrics.jsonl, and a human line.
 
 Exactly one rank writes. `loss` is written with repr-precision, so bitwise comparisons can read it.
+The file is only appended to or repaired, never silently cut: a resumed job moves the records of the
+steps it redoes (and a partial last line a crash left) to metrics.superseded.jsonl, and a new job
+refuses a dump_dir whose metrics no checkpoint continues.
 """
 
 import json
+import os
 import resource
 import sys
 from dataclasses import dataclass
@@ -11,7 +15,11 @@ from pathlib import Path
 
 import torch
 
+from parallel.errors import ConfigError
+
 GIB = 1024**3
+METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -39,22 +47,63 @@ class StepMetrics:
         return dict(self.__dict__)
 
 
+def _is_record(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def read_history(path: Path) -> tuple[list[str], str | None]:
+    """The records of a metrics file, and its partial last line (a crash mid-write) if any. A damaged
+    line anywhere else is one error line: the file is the user's, it is not ours to guess."""
+    if not path.exists():
+        return [], None
+    text = path.read_text()
+    lines = text.splitlines()
+    partial = lines.pop() if lines and (not text.endswith("\n") or not _is_record(lines[-1])) else None
+    for number, line in enumerate(lines, 1):
+        if not _is_record(line):
+            raise ConfigError(f"{path} line {number} is not a JSON record; repair the file or move it away")
+    return lines, partial
+
+
+def check_history(dump_dir: Path, start_step: int) -> None:
+    """Every rank, before anything is written: a job without a checkpoint to continue must not take
+    over an earlier run's metrics."""
+    records, _ = read_history(dump_dir / METRICS_FILE)
+    if start_step == 0 and records:
+        steps = [json.loads(line)["step"] for line in records]
+        raise ConfigError(
+            f"dump_dir={dump_dir} already holds {METRICS_FILE} of a run (steps {min(steps)}-{max(steps)}) but no "
+            f"checkpoint to resume from; use a new dump_dir, or move {METRICS_FILE} away to start over"
+        )
+
+
 class MetricsLog:
     def __init__(self, dump_dir: Path, is_writer: bool, total_steps: int, start_step: int) -> None:
         self.is_writer = is_writer
         self.total_steps = total_steps
-        self.path = dump_dir / "metrics.jsonl"
+        self.path = dump_dir / METRICS_FILE
         self._step_times: list[float] = []
         if is_writer:
-            self._keep_until(start_step)
+            self._continue_after(start_step)
 
-    def _keep_until(self, start_step: int) -> None:
-        """A resumed job redoes the steps after its checkpoint: drop their old records, so the file
-        keeps one record per step (a fresh start, start_step 0, empties it)."""
-        if not self.path.exists():
+    def _continue_after(self, start_step: int) -> None:
+        """A resumed job redoes the steps after its checkpoint: their old records (and a partial line)
+        move to the superseded file, so metrics.jsonl keeps one record per step and loses nothing."""
+        records, partial = read_history(self.path)
+        kept = [line for line in records if json.loads(line)["step"] <= start_step]
+        moved = [line for line in records if json.loads(line)["step"] > start_step] + ([partial] if partial else [])
+        if not moved:
             return
-        kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        with (self.path.parent / SUPERSEDED_FILE).open("a") as f:
+            f.write("".join(line + "\n" for line in moved))
+        tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        what = f"{len(moved) - bool(partial)} record(s) after step {start_step}" + (" and a partial last line" if partial else "")
+        print(f"notice: {METRICS_FILE}: moved {what} to {SUPERSEDED_FILE}", file=sys.stderr, flush=True)
 
     def log(self, m: StepMetrics) -> None:
         self._step_times.append(m.step_time_s)

@@ -17,6 +17,7 @@ from parallel.tensor_parallel import TPContext
 from trainer.config import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def fsdp_unit_names(model: Transformer) -> list[str]:

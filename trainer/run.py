@@ -1,7 +1,10 @@
 """Build everything from a validated config and run training: the body of train.py."""
 
+import ctypes
 import dataclasses
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -14,18 +17,26 @@ from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_gr
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import schedule_actions
 from parallel.random import RNGStreams
-from trainer.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint, verify_checkpoint
+from parallel import comm
+from trainer.checkpoint import prune_checkpoints, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
+from trainer.dump_dir import own_dump_dir
+from trainer.fingerprint import FINGERPRINT_FILE, data_fingerprint, run_fingerprint, write_fingerprint
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
-from trainer.parallelize import DTYPES, build_chunks, parallelize, tp_context
+from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler
-from trainer.state import checkpoint_state, load_into
+from trainer.resume import resume
+from trainer.state import checkpoint_state
+from trainer.token_shards import TOKENS_FILE, file_sha256
 from trainer.tokenizer import Tokenizer
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def select_device(launch: LaunchEnv) -> torch.device:
@@ -53,6 +64,18 @@ def build_runtime(
     return PipelineRuntime(program, cfg.pipeline_parallel_size, chunks, roots, mesh.group("pp"), shape, dtype, device)
 
 
+def exit_with_launcher() -> None:
+    """A worker must not train on after its torchrun agent is killed (kill -9 leaves it orphaned, still
+    writing into the dump_dir): Linux sends it SIGKILL when its parent dies. Elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the agent died before prctl took effect
+        os._exit(1)
+
+
 def log0(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, file=sys.stderr, flush=True)
@@ -60,6 +83,8 @@ def log0(rank: int, msg: str) -> None:
 
 def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     """Train with a validated config (trainer.validate.validate gave `dims`)."""
+    if launch.torchrun:
+        exit_with_launcher()
     device = select_device(launch)
     if cfg.enable_deterministic_training:
         enable_deterministic(device.type)
@@ -74,18 +99,36 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device) -> None:
     mesh = ParallelMesh(dims, device.type)
     dump_dir = Path(cfg.dump_dir)
-    dump_dir.mkdir(parents=True, exist_ok=True)
+    lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, dist.group.WORLD)
+    try:
+        _train_in(cfg, launch, mesh, device, dump_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path) -> None:
     log = partial(log0, launch.rank)
     tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
     trainer = build_trainer(cfg, mesh, loader, device)
     rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
     state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler, mesh.shard_tp_mesh(),
-                    rank=launch.rank, pp=dims.pp)
-    start_step = _resume(cfg, state(step=0), rng, loader.sampler, dump_dir / "checkpoints", launch, log)
+                    rank=launch.rank, pp=mesh.dims.pp)
+    fingerprint = run_fingerprint(
+        cfg, DTYPE_NAMES[compute_dtype(cfg, device)], loader.sampler.global_batch_size,
+        file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),
+    )
+    start_step = resume(cfg, state(step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size, log)
+    if start_step == cfg.steps:
+        log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
+        return
+    comm.barrier()  # every rank has read metrics.jsonl (resume) before rank 0 repairs it
     config_file = dump_dir / "train_config.json"
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file}
+        write_fingerprint(dump_dir, fingerprint)
+    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file,
+                   FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
 
 
@@ -129,18 +172,3 @@ def _fit(
             if rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
             log(f"saved checkpoint {path}")
-
-
-def _resume(
-    cfg: TrainConfig, state: dict, rng: RNGStreams, sampler: GlobalBatchSampler, root: Path, launch: LaunchEnv,
-    log: Callable[[str], None],
-) -> int:
-    """Load the newest complete checkpoint, if any; returns the step to continue after."""
-    path = latest_checkpoint(root)
-    if path is None:
-        return 0
-    group = dist.group.WORLD
-    verify_checkpoint(path, group, launch.rank, launch.world_size, cfg.checkpoint.verify_checksums)
-    step = load_into(path, state, rng, sampler, group)
-    log(f"resumed from {path} (step {step})")
-    return step

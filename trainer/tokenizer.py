@@ -118,6 +118,7 @@ class _TrainingLines:
         self._text_files = text_files
         self._max_lines = max_lines
         self.error: Exception | None = None
+        self.yielded = self.too_long = 0  # lines given to sentencepiece, and those it will skip as too long
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -132,6 +133,8 @@ class _TrainingLines:
                 for line in document.splitlines():
                     if not line.strip():
                         continue
+                    self.yielded += 1
+                    self.too_long += len(line.encode()) > _TRAINER_SETTINGS["max_sentence_length"]
                     yield line
                     count += 1
                     if count >= self._max_lines:
@@ -157,6 +160,11 @@ def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, n
     except RuntimeError as exc:
         if lines.error is not None:
             raise lines.error from None
+        if lines.yielded == lines.too_long:  # sentencepiece's "sentences_.empty()": no usable line
+            what = "no text (empty, or blank lines only)" if not lines.yielded else (
+                f"no line shorter than {_TRAINER_SETTINGS['max_sentence_length']} bytes (the tokenizer learns "
+                "from lines: split the text into lines)")
+            raise ConfigError(f"data.source holds {what}") from exc
         # Keep sentencepiece's human reason, drop its "INTERNAL: file.cc(744) [check] " prefix.
         reason = str(exc).strip().splitlines()[-1].split("] ", 1)[-1]
         message = f"model.vocab_size={vocab_size} cannot be trained on data.source: {reason}"

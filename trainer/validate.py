@@ -9,6 +9,7 @@ from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, TrainConfig, get_key
+from trainer.fingerprint import ALLOWABLE
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -28,6 +29,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """Check every static rule; returns the parallel layout of `world_size` ranks."""
     _check_ranges(cfg)
     _check_enums(cfg)
+    _check_resume_keys(cfg)
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
     # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
@@ -64,6 +66,14 @@ def _check_enums(cfg: TrainConfig) -> None:
         if value not in allowed:
             choices = " | ".join("null" if a is None else str(a) for a in allowed)
             raise ConfigError(f"{key}={value} is not one of: {choices}")
+
+
+def _check_resume_keys(cfg: TrainConfig) -> None:
+    for key in cfg.resume.allow_changed:
+        if key not in ALLOWABLE:
+            raise ConfigError(
+                f"resume.allow_changed: {key} cannot change on resume (only {', '.join(ALLOWABLE)} can)"
+            )
 
 
 def _check_model(cfg: TrainConfig) -> None:

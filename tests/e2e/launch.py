@@ -10,16 +10,30 @@ REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = REPO / ".cache" / "data"
 
 
-def train(nproc: int, dump_dir: Path, *overrides: str, cwd: Path | None = None, timeout: float = 300):
-    """Launch train.py on `nproc` CPU ranks (a plain process for nproc=0); returns the CompletedProcess."""
+def command(nproc: int, dump_dir: Path, *overrides: str) -> list[str]:
+    """train.py on `nproc` CPU ranks under torchrun, or as a plain process for nproc=0."""
     args = [f"dump_dir={dump_dir}", f"data.cache_dir={DATA_CACHE}", *overrides]
     script = str(REPO / "train.py")
     if nproc == 0:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return [sys.executable, script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train(nproc: int, dump_dir: Path, *overrides: str, cwd: Path | None = None, timeout: float = 300):
+    """Launch train.py and wait; returns the CompletedProcess."""
+    return subprocess.run(command(nproc, dump_dir, *overrides), cwd=cwd or REPO, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(nproc: int, dump_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Launch train.py without waiting (its output goes to files in dump_dir's parent)."""
+    dump_dir.parent.mkdir(parents=True, exist_ok=True)
+    out = (dump_dir.parent / f"{dump_dir.name}.out").open("w")
+    err = (dump_dir.parent / f"{dump_dir.name}.err").open("w")
+    return subprocess.Popen(command(nproc, dump_dir, *overrides), cwd=REPO, env=ENV, stdout=out, stderr=err, text=True)
 
 
 def train_ok(nproc: int, dump_dir: Path, *overrides: str, **kw) -> list[dict]:
@@ -35,3 +49,16 @@ def metrics(dump_dir: Path) -> list[dict]:
 
 def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def assert_one_error(proc, *fragments: str) -> None:
+    """Non-zero exit and exactly one `error:` line holding every fragment."""
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -5,21 +5,9 @@ import shutil
 
 import pytest
 
-from tests.e2e.launch import metrics, train, train_ok
+from tests.e2e.launch import assert_one_error, metrics, train, train_ok
 
 FAST = ("model=tiny", "seq_len=64", "batch_size=2")
-
-
-def error_lines(proc) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-
-
-def assert_one_error(proc, *fragments: str) -> None:
-    assert proc.returncode != 0
-    lines = error_lines(proc)
-    assert len(lines) == 1, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(
@@ -84,8 +72,8 @@ def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run
 
 @pytest.mark.parametrize(
     "override, fragments",
-    [("model.dim=128", ("checkpoint", "cannot be loaded into this run")),
-     ("seed=1", ("seed changed", "written with seed=0"))],
+    [("model.dim=128", ("would change the run", "model.dim 64 -> 128")),
+     ("seed=1", ("would change the run", "seed 0 -> 1"))],
 )
 def test_checkpoint_of_another_run_is_refused(tmp_path, checkpointed_run, override, fragments):
     dump = tmp_path / "dump"

@@ -18,6 +18,7 @@ from scripts.export_hf import to_hf
 from tests.e2e.launch import REPO, train_ok
 from trainer.config import from_dict
 from trainer.state import load_full_weights
+from trainer.tokenizer import BOS_ID, Tokenizer
 
 EXPORT = REPO / "scripts" / "export_hf.py"
 # Relative to the logit scale. Not bitwise: HF may pick another attention kernel (eager measured ~2e-7).
@@ -69,6 +70,11 @@ def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: t
     rel_diff = abs_diff / expected.abs().max().item()
     print(f"export_hf logits: max abs diff {abs_diff:.3e}, relative to the logit scale {rel_diff:.3e}")
     assert rel_diff < MAX_REL_DIFF
+
+    # The exported tokenizer gives training's ids: BOS first, then our encoding.
+    text = "def tokenize(line):\n    return line.split()  # 42 words"
+    hf_ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids
+    assert hf_ids == [BOS_ID, *Tokenizer(ckpt / "tokenizer.model").encode(text)]
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(ckpt, corrupt)

@@ -1,0 +1,248 @@
+"""Run safety end to end: a dump_dir belongs to one job, a resume refuses whatever would silently change
+the run, and nothing already written is cut. Each test reproduces a finding of a user trial."""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.launch import ENV, REPO, assert_one_error, command, losses, metrics, start, train, train_ok
+from trainer.tokenizer import train_tokenizer
+
+FAST = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "optim.warmup_steps=1")
+
+
+def _wait_for_records(dump: Path, proc: subprocess.Popen, count: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = dump / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert proc.poll() is None, (dump.parent / f"{dump.name}.err").read_text()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {count} records in {dump} after {timeout} s")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_second_job_on_a_busy_dump_dir_is_refused_and_the_first_finishes_untouched(tmp_path):
+    dump = tmp_path / "run"
+    first = start(2, dump, *FAST, "steps=80")
+    _wait_for_records(dump, first, 1)
+    began = time.time()
+    second = train(0, dump, *FAST, "steps=80", timeout=60)
+    assert_one_error(second, f"dump_dir={dump} is in use by job")
+    assert time.time() - began < 20 and first.poll() is None  # refused at once, not after the first ended
+    assert first.wait(timeout=300) == 0
+    assert [r["step"] for r in metrics(dump)] == list(range(1, 81))
+    assert not (dump / ".lock").exists()
+
+
+def test_workers_die_with_their_torchrun_agent_and_free_the_dump_dir(tmp_path):
+    dump = tmp_path / "run"
+    agent = start(2, dump, *FAST, "steps=100000")
+    _wait_for_records(dump, agent, 1)
+    workers = _children(agent.pid)
+    assert len(workers) == 2
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    deadline = time.time() + 10
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), "orphaned workers kept training"
+    size = (dump / "metrics.jsonl").stat().st_size
+    time.sleep(1)
+    assert (dump / "metrics.jsonl").stat().st_size == size
+    # The lock's holder is dead: a new job in a new folder is not needed, but this one has no checkpoint
+    # and earlier metrics, so it is refused for that, not for the lock.
+    assert_one_error(train(0, dump, *FAST, "steps=3", timeout=60), "no checkpoint to resume from")
+
+
+def test_hydra_multirun_gives_each_job_its_own_dump_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", f"dump_dir={sweep}", f"data.cache_dir={REPO / '.cache' / 'data'}",
+         *FAST, "steps=3", "optim.lr=1e-3,1e-2"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job, lr in ((0, "1e-3"), (1, "1e-2")):
+        alone = losses(train_ok(0, tmp_path / f"alone{job}", *FAST, "steps=3", f"optim.lr={lr}"))
+        assert losses(metrics(sweep / str(job))) == alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone0", "alone1", "sweep"]  # nothing else written
+    under_torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(REPO / "train.py"),
+         "-m", f"dump_dir={tmp_path / 'tr'}", *FAST, "optim.lr=1e-3,1e-2"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert_one_error(under_torchrun, "multirun", "torchrun")
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> Path:
+    """4 steps of an 8-step schedule, checkpoints at 2 and 4."""
+    dump = tmp_path_factory.mktemp("ckpt") / "dump"
+    train_ok(0, dump, *FAST, "steps=4", "optim.decay_steps=8", "checkpoint.freq=2")
+    return dump
+
+
+def _copy(checkpointed: Path, tmp_path: Path) -> Path:
+    dump = tmp_path / "dump"
+    shutil.copytree(checkpointed, dump)
+    return dump
+
+
+def _other_tokenizer(tmp_path: Path) -> Path:
+    """A tokenizer with the same vocabulary size, trained on other text (a few stdlib modules)."""
+    return train_tokenizer([Path(argparse.__file__), Path(typing.__file__)], 512, tmp_path / "other.model")
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    # Same flat sizes: the weights would load, read in another head layout.
+    (("model.n_heads=8", "model.n_kv_heads=4"), ("model.n_heads 4 -> 8", "model.n_kv_heads 2 -> 4")),
+    (("optim.lr=1e-2",), ("optim.lr 0.003 -> 0.01", "resume.allow_changed=[optim.lr]")),
+    (("model_parallel_size=2",), ("model_parallel_size 1 -> 2", "do not reshard across tensor parallelism")),
+    (("compute_dtype=bf16",), ("compute_dtype 'fp32' -> 'bf16'",)),
+])
+def test_resume_refuses_a_changed_run_naming_the_keys(tmp_path, checkpointed, overrides, fragments):
+    dump = _copy(checkpointed, tmp_path)
+    before = (dump / "metrics.jsonl").read_text()
+    nproc = 2 if "model_parallel_size=2" in overrides else 0
+    proc = train(nproc, dump, *FAST, "steps=8", "optim.decay_steps=8", *overrides, timeout=120)
+    assert_one_error(proc, "would change the run", *fragments)
+    assert (dump / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_another_tokenizer_of_the_same_size(tmp_path, checkpointed):
+    dump = _copy(checkpointed, tmp_path)
+    proc = train(0, dump, *FAST, "steps=8", "optim.decay_steps=8", f"data.tokenizer={_other_tokenizer(tmp_path)}",
+                 timeout=120)
+    assert_one_error(proc, "would change the run", "tokenizer", "data.tokenizer")
+
+
+def test_allowed_change_resumes(tmp_path, checkpointed):
+    dump = _copy(checkpointed, tmp_path)
+    records = train_ok(0, dump, *FAST, "steps=6", "optim.decay_steps=8", "optim.lr=1e-2",
+                       "resume.allow_changed=[optim.lr]")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_extending_steps_keeps_the_schedule_or_is_refused(tmp_path, checkpointed):
+    """The checkpoint's run decays to step 8 (optim.decay_steps=8). Without it, steps=12 would move the end
+    of the cosine to step 12 and jump the LR; the refusal names the key that keeps the schedule."""
+    dump = _copy(checkpointed, tmp_path)
+    assert_one_error(train(0, dump, *FAST, "steps=12", timeout=60), "optim.decay_steps 8 -> 12",
+                     "optim.decay_steps=8 to continue the same schedule")
+    straight = train_ok(0, tmp_path / "straight", *FAST, "steps=8")
+    resumed = train_ok(0, dump, *FAST, "steps=12", "optim.decay_steps=8")
+    for a, b in zip(straight[4:8], resumed[4:8]):
+        assert (a["step"], a["lr"], a["loss"]) == (b["step"], b["lr"], b["loss"])
+
+
+def test_nothing_written_is_ever_cut(tmp_path, checkpointed):
+    # A new job in a dump_dir with metrics but no checkpoint would rewrite them from scratch.
+    dump = tmp_path / "no_ckpt"
+    train_ok(0, dump, *FAST, "steps=2")
+    before = (dump / "metrics.jsonl").read_text()
+    assert_one_error(train(0, dump, *FAST, "steps=4", timeout=60), "already holds metrics.jsonl", "steps 1-2")
+    assert (dump / "metrics.jsonl").read_text() == before
+    # steps below the newest checkpoint would train nothing and drop the later records.
+    dump = _copy(checkpointed, tmp_path)
+    before = (dump / "metrics.jsonl").read_text()
+    assert_one_error(train(0, dump, *FAST, "steps=3", "optim.decay_steps=8", timeout=60),
+                     "steps=3 ends before the newest checkpoint")
+    assert (dump / "metrics.jsonl").read_text() == before
+
+
+def test_a_crash_mid_write_leaves_a_partial_line_that_a_resume_repairs(tmp_path, checkpointed):
+    dump = _copy(checkpointed, tmp_path)
+    shutil.rmtree(dump / "checkpoints" / "step_4")  # the crash came after step 4's record, before its save
+    with (dump / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 6.')
+    proc = train(0, dump, *FAST, "steps=6", "optim.decay_steps=8", "checkpoint.freq=2", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "moved 2 record(s) after step 2 and a partial last line to metrics.superseded.jsonl" in proc.stderr
+    assert [r["step"] for r in metrics(dump)] == [1, 2, 3, 4, 5, 6]
+    superseded = (dump / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded[:2]] == [3, 4] and superseded[2] == '{"step": 5, "loss": 6.'
+
+
+def test_a_damaged_newest_checkpoint_says_how_to_use_the_previous_one(tmp_path, checkpointed):
+    dump = _copy(checkpointed, tmp_path)
+    shard = next((dump / "checkpoints" / "step_4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = train(0, dump, *FAST, "steps=8", "optim.decay_steps=8", timeout=60)
+    assert_one_error(proc, "is truncated", "previous complete checkpoint step_2", "move step_4 out of")
+
+
+@pytest.mark.parametrize("content, name, fragment", [
+    (os.urandom(50_000), "random.bin", "is not a .txt/.jsonl/.md/.py file"),
+    (b"\xff\xfe" + os.urandom(50_000), "random.txt", "is not UTF-8 text"),
+    (b"", "empty.txt", "holds no text"),
+    (b"x" * 70_000, "one_line.txt", "no line shorter than 65536 bytes"),
+])
+def test_data_that_is_not_text_is_one_clear_line(tmp_path, content, name, fragment):
+    source = tmp_path / name
+    source.write_bytes(content)
+    proc = train(0, tmp_path / "dump", *FAST, "steps=2", f"data.source={source}", f"data.cache_dir={tmp_path / 'c'}",
+                 timeout=120)
+    assert_one_error(proc, "data.source", fragment)
+    assert "model.vocab_size" not in proc.stderr
+
+
+def test_unwritable_outputs_are_found_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_one_error(train(0, blocker / "run", *FAST, "steps=2", timeout=60), "is not a writable folder")
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "checkpoints").write_text("")
+    proc = train(0, dump, *FAST, "steps=2", "checkpoint.freq=1", timeout=60)
+    assert_one_error(proc, "checkpoints/ folder", "is not a writable folder")
+    assert not (dump / "metrics.jsonl").exists()
+
+
+def test_export_of_a_dump_dir_names_its_checkpoint(tmp_path, checkpointed):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(checkpointed), str(tmp_path / "hf")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_one_error(proc, "is not a checkpoint", "newest complete checkpoint is", "step_4")
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    dump = tmp_path / "run"
+    job = subprocess.Popen(command(2, dump, *FAST, "steps=100000"), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (dump / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode != 0
+    assert stderr.count("interrupted: ") == 1, stderr[-3000:]
+    assert "KeyboardInterrupt" not in stderr  # no per-rank tracebacks (torchrun's own summary remains)

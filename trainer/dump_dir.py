@@ -1,0 +1,132 @@
+"""A dump_dir belongs to one job: it must be writable, and a lock that dies with its holder keeps a
+second job (a duplicate launch, a sweep pointed at one folder) from writing into it.
+
+The lock is `{dump_dir}/.lock`, created exclusively (O_EXCL, which shared filesystems honour) by the
+job's rank 0 and holding who owns it. The holder touches it every few seconds; a lock whose holder is a
+dead process on this host, or whose heartbeat stopped (a holder on another node that died), is stale
+and taken over. Anything else is a live job, and the newcomer is refused in one line naming it.
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from torch.distributed import ProcessGroup
+
+from parallel import comm
+from parallel.errors import ConfigError
+
+LOCK_FILE = ".lock"
+HEARTBEAT_S = 2.0
+STALE_AFTER_S = 30.0
+
+
+class DumpDirLock:
+    def __init__(self, dump_dir: Path, job: str):
+        self.path = Path(dump_dir) / LOCK_FILE
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "since": time.time()}
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns None, or a description of the live job that holds it."""
+        for _ in range(3):  # a stale lock is removed and the create retried (another taker may win)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None:
+                    return holder
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+            self._heartbeat = threading.Thread(target=self._beat, name="dump-dir-lock", daemon=True)
+            self._heartbeat.start()
+            return None
+        return "another job that keeps taking it"
+
+    def _holder(self) -> str | None:
+        """The live holder's description; None if the lock is stale."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+            owner = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # being written right now: live unless it stays unreadable
+            return None if age > STALE_AFTER_S else "a job that is starting"
+        if age > STALE_AFTER_S:
+            return None
+        if owner.get("host") == self.owner["host"] and not _alive(int(owner.get("pid", -1))):
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+        return f"job {owner.get('job')} (host {owner.get('host')}, pid {owner.get('pid')}, since {since})"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:
+                return
+
+    def release(self) -> None:
+        if self._heartbeat is None:
+            return
+        self._stop.set()
+        self._heartbeat.join()
+        self._heartbeat = None
+        try:
+            if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
+                self.path.unlink()
+        except (FileNotFoundError, ValueError):
+            pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, group: ProcessGroup) -> DumpDirLock | None:
+    """Rank 0 makes dump_dir (and checkpoints/ when the job saves), checks that it can write there, and
+    takes the lock; every rank receives the verdict, so all stop together on the same line. Returns
+    the lock on rank 0 (release it when the job ends), None elsewhere."""
+    lock, problem = None, None
+    if rank == 0:
+        problem = _unwritable(dump_dir, checkpoints)
+        if problem is None:
+            lock = DumpDirLock(dump_dir, job)
+            holder = lock.acquire()
+            if holder is not None:
+                lock, problem = None, f"dump_dir={dump_dir} is in use by {holder}; let it finish, stop it, or use another dump_dir"
+    problems = [p for p in comm.all_gather_object(problem, group) if p]
+    if problems:
+        if lock is not None:
+            lock.release()
+        raise ConfigError(problems[0])
+    return lock
+
+
+def _unwritable(dump_dir: Path, checkpoints: bool) -> str | None:
+    """Why the job could not write its outputs (None if it can), found before any work is done."""
+    folders = [dump_dir, dump_dir / "checkpoints"] if checkpoints else [dump_dir]
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".write_probe_{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            key = "dump_dir" if folder == dump_dir else "dump_dir (its checkpoints/ folder, checkpoint.freq > 0)"
+            return f"{key}={folder} is not a writable folder: {e.strerror or e}"
+    return None

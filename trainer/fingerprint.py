@@ -1,0 +1,87 @@
+"""What a run is, for a resume to compare: everything that fixes the model, its data and its numerics.
+
+Every checkpoint stores the fingerprint of the run that wrote it (`fingerprint.json`). A resume
+compares it with its own before loading anything and refuses any difference in one line naming each
+key with both values. Where a change is meaningful (the LR schedule, precisions) the user may allow it
+by name with `resume.allow_changed=[key,...]`. Layout keys (dp, pp, vpp, microbatching, resharding,
+checkpointing) are not part of it: a checkpoint reloads across those; TP is, until checkpoints reshard
+across it.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from parallel.errors import ConfigError
+from trainer.config import TrainConfig, get_key
+
+FINGERPRINT_FILE = "fingerprint.json"
+ARCHITECTURE = tuple(
+    f"model.{k}" for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
+                           "multiple_of", "norm_eps", "rope_theta", "attn_bias_type")
+)
+SCHEDULE = tuple(
+    f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio",
+                           "clip_grad_norm")
+)
+PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad")
+# Keys a resume may change when the user names them in resume.allow_changed.
+ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
+_HINTS = {
+    "optim.decay_steps": "where the LR decay ends: optim.decay_steps, or steps when unset; pass "
+                         "optim.decay_steps={old} to continue the same schedule",
+    "model_parallel_size": "checkpoints do not reshard across tensor parallelism yet",
+    "tokenizer": "data.tokenizer (or the tokenizer trained for data.source) changed",
+    "data": "data.source (or its packed tokens) changed",
+}
+
+
+def data_fingerprint(tokens_file: Path, num_tokens: int) -> str:
+    """Token count plus a hash of the packed tokens' first and last MiB: cheap, and content-based."""
+    digest = hashlib.sha256(str(num_tokens).encode())
+    with open(tokens_file, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, tokens_file.stat().st_size - (1 << 20)))
+        digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,
+                    data: str) -> dict[str, Any]:
+    keys = {key: get_key(cfg, key) for key in (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:])}
+    return keys | {
+        "compute_dtype": compute_dtype,
+        "optim.decay_steps": cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps,
+        "seq_len": cfg.seq_len, "seed": cfg.seed, "global_batch_size": global_batch,
+        "model_parallel_size": cfg.model_parallel_size,
+        "tokenizer": tokenizer_sha256[:16], "data": data,
+    }
+
+
+def write_fingerprint(folder: Path, fingerprint: dict[str, Any]) -> Path:
+    path = folder / FINGERPRINT_FILE
+    path.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+    return path
+
+
+def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str]) -> None:
+    """Refuse, in one line, a resume that would silently change the run."""
+    try:
+        saved = json.loads((checkpoint / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}); "
+                          "it was not written by this trainer, or is damaged")
+    changed = [key for key in current if saved.get(key) != current[key] and key not in allowed]
+    if not changed:
+        return
+    parts = []
+    for key in changed:
+        hint = _HINTS.get(key, "").format(old=saved.get(key))
+        parts.append(f"{key} {saved.get(key)!r} -> {current[key]!r}" + (f" ({hint})" if hint else ""))
+    allowable = all(key in ALLOWABLE for key in changed)
+    remedy = f"; to change it anyway pass resume.allow_changed=[{','.join(changed)}]" if allowable else ""
+    raise ConfigError(
+        f"resuming from {checkpoint} would change the run: {'; '.join(parts)}. Use a new dump_dir for a "
+        f"different run{remedy}"
+    )

@@ -1,0 +1,47 @@
+"""Resume: continue the newest complete checkpoint of the dump_dir, and only if that continues the
+same run (trainer/fingerprint.py), with a step count that does not end before it."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from parallel.errors import ConfigError
+from parallel.random import RNGStreams
+from trainer.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, verify_checkpoint
+from trainer.config import TrainConfig
+from trainer.fingerprint import check_resumable
+from trainer.metrics import check_history
+from trainer.sampler import GlobalBatchSampler
+from trainer.state import load_into
+
+
+def resume(
+    cfg: TrainConfig, state: dict, rng: RNGStreams, sampler: GlobalBatchSampler, fingerprint: dict,
+    rank: int, world: int, log: Callable[[str], None],
+) -> int:
+    """Load the newest complete checkpoint, if any, into `state`; returns the step to continue after.
+    Every rank reads the same files and reaches the same verdict, so all refuse together."""
+    dump_dir = Path(cfg.dump_dir)
+    path = latest_checkpoint(dump_dir / "checkpoints")
+    step = 0
+    if path is not None:
+        group = dist.group.WORLD
+        try:
+            verify_checkpoint(path, group, rank, world, cfg.checkpoint.verify_checksums)
+        except CheckpointError as e:
+            previous = latest_checkpoint(path.parent, before=checkpoint_step(path))
+            if previous is None:
+                raise
+            raise CheckpointError(f"{e}; to resume from the previous complete checkpoint {previous.name}, move "
+                                  f"{path.name} out of {path.parent} (keep it: it may be repairable)")
+        if checkpoint_step(path) > cfg.steps:
+            raise ConfigError(
+                f"steps={cfg.steps} ends before the newest checkpoint ({path}, step {checkpoint_step(path)}); "
+                "resuming would train nothing; raise steps, or use a new dump_dir"
+            )
+        check_resumable(path, fingerprint, cfg.resume.allow_changed)
+        step = load_into(path, state, rng, sampler, group)
+        log(f"resumed from {path} (step {step})")
+    check_history(dump_dir, step)
+    return step
