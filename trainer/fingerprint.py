@@ -26,6 +26,9 @@ SCHEDULE = tuple(
                            "clip_grad_norm")
 )
 PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad")
+# Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
+# are resolved first.
+_AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "seq_len", "seed", "model_parallel_size")
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
 _HINTS = {
@@ -49,13 +52,10 @@ def data_fingerprint(tokens_file: Path, num_tokens: int) -> str:
 
 def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,
                     data: str) -> dict[str, Any]:
-    keys = {key: get_key(cfg, key) for key in (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:])}
-    return keys | {
+    return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | {
         "compute_dtype": compute_dtype,
         "optim.decay_steps": cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps,
-        "seq_len": cfg.seq_len, "seed": cfg.seed, "global_batch_size": global_batch,
-        "model_parallel_size": cfg.model_parallel_size,
-        "tokenizer": tokenizer_sha256[:16], "data": data,
+        "global_batch_size": global_batch, "tokenizer": tokenizer_sha256[:16], "data": data,
     }
 
 

@@ -1,0 +1,119 @@
+"""Compare two runs step by step: losses and grad norms, in ulps and relative terms, with one verdict.
+
+    python scripts/compare_runs.py DUMP_A DUMP_B [--rtol R] [--plot out.png] [--brief]
+
+Reads `metrics.jsonl` of both dump_dirs. Exit code 0 when every common step's loss and grad norm agree
+within --rtol (default 0: bit for bit) and both runs logged the same steps, 1 otherwise, 2 on unreadable
+input. --plot draws both loss curves and their difference; --brief prints only the verdict line with
+each run's median TFLOP/s (for scripts such as numerics_matrix.sh).
+"""
+
+import argparse
+import json
+import statistics
+import struct
+import sys
+from pathlib import Path
+
+FIELDS = ("loss", "grad_norm")
+
+
+def read_metrics(dump_dir: Path) -> dict[int, dict]:
+    path = dump_dir / "metrics.jsonl"
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return {int(r["step"]): r for r in records}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {path} is not a readable metrics file: {e}") from None
+
+
+def ulps(a: float, b: float) -> int:
+    """How many doubles lie between a and b (0: bitwise equal)."""
+    def ordered(x: float) -> int:
+        bits = struct.unpack("<q", struct.pack("<d", x))[0]
+        return bits if bits >= 0 else -(bits & 0x7FFFFFFFFFFFFFFF)
+    return abs(ordered(a) - ordered(b))
+
+
+def rel_diff(a: float, b: float) -> float:
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+
+
+def compare(a: dict[int, dict], b: dict[int, dict], rtol: float) -> tuple[list[str], str, bool]:
+    """(table rows, verdict line, whether the runs agree)."""
+    steps = sorted(a.keys() & b.keys())
+    rows, worst = [], (0.0, None, None)
+    for step in steps:
+        cells = []
+        for field in FIELDS:
+            x, y = a[step].get(field), b[step].get(field)
+            if x is None or y is None:
+                cells.append(f"{field} missing")
+                continue
+            rel = rel_diff(x, y)
+            worst = max(worst, (rel, step, field), key=lambda w: w[0])
+            cells.append(f"{x!r:>22} {y!r:>22} {ulps(x, y):>8} ulp {rel:9.2e}")
+        rows.append(f"{step:>6} | " + " | ".join(cells))
+    only = sorted(a.keys() ^ b.keys())
+    agree = worst[0] <= rtol and not only and bool(steps)
+    if not steps:
+        verdict = "no common steps"
+    elif worst[0] == 0.0:
+        verdict = f"bitwise equal over {len(steps)} steps"
+    else:
+        verdict = f"max rel diff {worst[0]:.3e} at step {worst[1]} ({worst[2]})"
+    if only:
+        verdict += f"; steps logged by one run only: {only[:10]}"
+    return rows, verdict, agree
+
+
+def median_tflops(records: dict[int, dict]) -> float:
+    values = [r["tflops"] for r in records.values() if "tflops" in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def plot(a: dict[int, dict], b: dict[int, dict], labels: tuple[str, str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for records, label in zip((a, b), labels):
+        steps = sorted(records)
+        top.plot(steps, [records[s]["loss"] for s in steps], label=label)
+    top.set_ylabel("loss")
+    top.legend()
+    common = sorted(a.keys() & b.keys())
+    bottom.plot(common, [b[s]["loss"] - a[s]["loss"] for s in common], color="tab:red")
+    bottom.axhline(0.0, color="black", linewidth=0.5)
+    bottom.set_ylabel("loss B - A")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dump_a", type=Path)
+    parser.add_argument("dump_b", type=Path)
+    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
+    parser.add_argument("--plot", help="write a PNG of both loss curves and their difference")
+    parser.add_argument("--brief", action="store_true", help="only the verdict and each run's median TFLOP/s")
+    opts = parser.parse_args(argv)
+    a, b = read_metrics(opts.dump_a), read_metrics(opts.dump_b)
+    rows, verdict, agree = compare(a, b, opts.rtol)
+    if opts.brief:
+        print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")
+    else:
+        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>12} {'rel':>9}" for f in FIELDS))
+        print("\n".join(rows))
+        print(verdict)
+    if opts.plot:
+        plot(a, b, (str(opts.dump_a), str(opts.dump_b)), opts.plot)
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

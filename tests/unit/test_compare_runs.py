@@ -1,0 +1,58 @@
+"""compare_runs: bitwise verdicts that catch one ulp, tolerances, missing steps, and valid PNGs (also
+plot_metrics)."""
+
+import json
+import math
+from pathlib import Path
+
+from scripts import compare_runs, plot_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _dump(folder: Path, losses: list[float], eval_every: int = 0) -> Path:
+    folder.mkdir(parents=True)
+    records = [
+        {"step": s, "loss": loss, "grad_norm": 1.0 / s, "lr": 1e-3, "tokens_per_s": 100.0 * s, "tflops": 0.5,
+         "mem_peak_gib": 0.3} | ({"eval_loss": loss + 0.1} if eval_every and s % eval_every == 0 else {})
+        for s, loss in enumerate(losses, 1)
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_one_ulp_in_one_step_is_caught_and_equality_reported(tmp_path, capsys):
+    losses = [6.9, 6.1, 5.4, 5.0]
+    a = _dump(tmp_path / "a", losses)
+    assert compare_runs.main([str(a), str(_dump(tmp_path / "same", losses))]) == 0
+    assert capsys.readouterr().out.strip().endswith("bitwise equal over 4 steps")
+
+    nudged = list(losses)
+    nudged[2] = math.nextafter(losses[2], math.inf)
+    b = _dump(tmp_path / "b", nudged)
+    assert compare_runs.ulps(losses[2], nudged[2]) == 1
+    assert compare_runs.main([str(a), str(b), "--plot", str(tmp_path / "diff.png")]) == 1
+    out = capsys.readouterr().out
+    assert "max rel diff" in out and "at step 3 (loss)" in out and " 1 ulp" in out
+    assert (tmp_path / "diff.png").read_bytes()[:8] == PNG
+    assert compare_runs.main([str(a), str(b), "--rtol", "1e-12"]) == 0  # within tolerance
+
+
+def test_steps_logged_by_one_run_only_are_a_difference(tmp_path, capsys):
+    a = _dump(tmp_path / "a", [6.9, 6.1, 5.4])
+    b = _dump(tmp_path / "b", [6.9, 6.1])
+    assert compare_runs.main([str(a), str(b), "--brief"]) == 1
+    assert "steps logged by one run only: [3]" in capsys.readouterr().out
+
+
+def test_ulps_across_zero_and_signs():
+    assert compare_runs.ulps(0.0, -0.0) == 0
+    assert compare_runs.ulps(-1.0, math.nextafter(-1.0, 0.0)) == 1
+    assert compare_runs.ulps(math.nextafter(0.0, -1.0), math.nextafter(0.0, 1.0)) == 2
+
+
+def test_plot_metrics_draws_several_runs(tmp_path):
+    dumps = [_dump(tmp_path / "a", [6.9, 6.1, 5.4], eval_every=2), _dump(tmp_path / "b", [7.0, 6.0, 5.5])]
+    out = tmp_path / "curves.png"
+    assert plot_metrics.main([*map(str, dumps), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
