@@ -6,12 +6,16 @@ each step and writes its snapshot to metrics.jsonl as `comm`; tests assert exact
 Bytes count the full collective buffer: the tensor for all_reduce, the gathered output for all_gather,
 the unreduced input for reduce_scatter. (Collectives the framework does not use yet are added here
 when a feature needs them, so none escapes the ledger.)
+
+Each call also opens a profiler range named "op group [label]" (label: the FSDP unit, the pipeline
+stage), so a trace shows which collective ran where; outside profiling the range costs microseconds.
 """
 
 from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
+from torch.profiler import record_function
 
 _group_names: dict[ProcessGroup, str] = {}
 
@@ -78,18 +82,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def traced(op: str, group: ProcessGroup | None, label: str = "") -> record_function:
+    """The profiler range of a collective (or of waiting for one)."""
+    return record_function(f"{op} {group_name(group)}" + (f" {label}" if label else ""))
+
+
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup | None, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+    tensor: torch.Tensor, group: ProcessGroup | None, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+    label: str = "",
 ) -> Work | None:
     LEDGER.record("all_reduce", group, _nbytes(tensor))
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    with traced("all_reduce", group, label):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False, label: str = ""
 ) -> Work | None:
     LEDGER.record("all_gather", group, _nbytes(output))
-    return _all_gather_single(output, shard, group=group, async_op=async_op)
+    with traced("all_gather", group, label):
+        return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -98,19 +110,24 @@ def reduce_scatter_tensor(
     group: ProcessGroup | None,
     op: ReduceOp = ReduceOp.SUM,
     async_op: bool = False,
+    label: str = "",
 ) -> Work | None:
     LEDGER.record("reduce_scatter", group, _nbytes(full))
-    return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+    with traced("reduce_scatter", group, label):
+        return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
-def batch_isend_irecv(ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup | None) -> list[Work]:
+def batch_isend_irecv(
+    ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup | None, label: str = ""
+) -> list[Work]:
     """Post point-to-point sends (True) and receives (False) to ranks of `group` as one batch; returns
     one work per op, in order. The ledger counts each as a "send" or "recv" of its tensor's bytes."""
     p2p = []
     for is_send, tensor, peer in ops:
         LEDGER.record("send" if is_send else "recv", group, _nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group, group_peer=peer))
-    return dist.batch_isend_irecv(p2p)
+    with traced("send_recv", group, label):
+        return dist.batch_isend_irecv(p2p)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

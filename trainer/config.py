@@ -133,9 +133,6 @@ ENUMS = {
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
     ("context_parallel_size", 1),
-    ("profile_freq", 0),
-    ("dump_profile_traces", False),
-    ("profile_with_stack", False),
     ("mem_snapshot_stop_step", None),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),

@@ -30,6 +30,7 @@ from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
 from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler
+from trainer.profiling import StepProfiler
 from trainer.resume import resume
 from trainer.state import checkpoint_state
 from trainer.token_shards import TOKENS_FILE, file_sha256
@@ -163,8 +164,10 @@ def _fit(
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     ckpt_root = Path(cfg.dump_dir) / "checkpoints"
+    profiler = StepProfiler(cfg, rank, trainer.device)
     for step in range(start_step + 1, cfg.steps + 1):
-        m = trainer.train_step(step)
+        with profiler.step(step):
+            m = trainer.train_step(step)
         if cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
             metrics.log(m)
         if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:

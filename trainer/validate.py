@@ -18,7 +18,7 @@ _POSITIVE = (
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
 )
 _NON_NEGATIVE = (
-    "seed", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
+    "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "optim.eps",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage")
@@ -56,6 +56,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be in [0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+    for key in ("dump_profile_traces", "profile_with_stack"):
+        if get_key(cfg, key) and not cfg.profile_freq:
+            raise ConfigError(f"{key}=true needs profile_freq > 0 (which steps to profile)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
 

@@ -50,7 +50,7 @@ def sum_partial_grads_over_tp(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.
     if not (unit.tp.sequence_parallel and unit.tp.size > 1 and unit.tp_replicated):
         return flat_grad
     parts = torch.cat([flat_grad[o : o + n] for o, n in unit.tp_replicated])
-    comm.all_reduce(parts, unit.tp.group)
+    comm.all_reduce(parts, unit.tp.group, label=unit.name)
     start = 0
     for offset, numel in unit.tp_replicated:
         flat_grad[offset : offset + numel] = parts[start : start + numel]
@@ -64,13 +64,13 @@ def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor
     if unit.spec.world == 1:
         return flat_grad
     shard = torch.empty(unit.spec.shard_size, dtype=unit.cfg.reduce_dtype, device=flat_grad.device)
-    comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group)
+    comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group, label=unit.name)
     return shard
 
 
 def start_replica_all_reduce(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
     """HSDP: sum the shard over replicas asynchronously, overlapping the next units' collectives."""
-    work = comm.all_reduce(shard_grad, unit.replicate_group, async_op=True)
+    work = comm.all_reduce(shard_grad, unit.replicate_group, async_op=True, label=unit.name)
     unit.replica_reduce = (work, shard_grad)
 
 

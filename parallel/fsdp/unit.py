@@ -129,13 +129,14 @@ class FSDPUnit:
             self._buffer.copy_(shard)
             self.state = UnitState.UNSHARDED
             return
-        work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True)
+        work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True, label=self.name)
         self._gather = (work, shard)  # keep the input alive until the gather completes
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.GATHERING:
-            self._gather[0].wait()
+            with comm.traced("wait all_gather", self.shard_group, self.name):
+                self._gather[0].wait()
             self._gather = None
             self.state = UnitState.UNSHARDED
 

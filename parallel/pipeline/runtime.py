@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup, Work
+from torch.profiler import record_function
 
 from parallel import comm
 from parallel.fsdp import FSDPRoot
@@ -58,9 +59,11 @@ class PipelineRuntime:
             if not a.is_compute:
                 self._exchange(step)
             elif a.op == FORWARD:
-                self._forward(a, inputs, loss)
+                with record_function(str(a)):
+                    self._forward(a, inputs, loss)
             else:
-                self._backward(a)
+                with record_function(str(a)):
+                    self._backward(a)
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
         for work, _ in self._sending:
@@ -116,9 +119,11 @@ class PipelineRuntime:
                 ops.append((False, tensor, a.peer))
             else:
                 ops.append((True, self._outbox.pop(key), a.peer))
-        for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, self.group)):
+        label = " ".join(str(a) for a in batch)  # e.g. "r1 SEND_F c0 m3 -> r2 r1 RECV_B c0 m2 <- r2"
+        for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, self.group, label)):
             if is_send:
                 self._sending.append((work, tensor))  # the tensor must outlive the send
             else:
-                work.wait()
+                with comm.traced("wait recv", self.group, label):
+                    work.wait()
         self._inbox.update(received)

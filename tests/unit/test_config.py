@@ -69,6 +69,8 @@ def test_llama3_8b_dimensions():
         (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1"], 2,
          "pipeline_schedule=1f1b runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
+        (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
+        (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
@@ -78,8 +80,8 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 
 UNBUILT_VALUES = {
-    "context_parallel_size": "2", "profile_freq": "5", "dump_profile_traces": "true",
-    "profile_with_stack": "true", "mem_snapshot_stop_step": "3",
+    "context_parallel_size": "2",
+    "mem_snapshot_stop_step": "3",
     "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
     "model.use_fp8": "true", "model.fp8_wgrad": "false",
     "optim.use_fp32_copy_optim": "false",

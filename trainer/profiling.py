@@ -1,0 +1,54 @@
+"""torch.profiler around chosen steps: `profile_freq=N` profiles every Nth step.
+
+With `dump_profile_traces=true` each rank writes a Chrome/Perfetto trace to
+{dump_dir}/profile_traces/step_N/rank{R}.json; otherwise rank 0 prints the step's top operators.
+Communication shows up as named ranges ("all_gather dp_shard layers.3", "send_recv pp r1 SEND_F c0 m3
+-> r2", "wait recv ..."), pipeline compute as "r1 F c0 m3" (parallel/comm.py, the pipeline runtime).
+"""
+
+import sys
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trainer.config import TrainConfig
+
+TOP_OPERATORS = 15
+
+
+class StepProfiler:
+    def __init__(self, cfg: TrainConfig, rank: int, device: torch.device):
+        self.freq, self.dump, self.with_stack = cfg.profile_freq, cfg.dump_profile_traces, cfg.profile_with_stack
+        self.folder = Path(cfg.dump_dir) / "profile_traces"
+        self.rank = rank
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def step(self, step: int) -> AbstractContextManager:
+        """Wrap optimizer step `step`: a profiler when it is due, else nothing."""
+        if not self.freq or step % self.freq:
+            return nullcontext()
+        return _ProfiledStep(self, step)
+
+
+class _ProfiledStep:
+    def __init__(self, owner: StepProfiler, step: int):
+        self.owner, self.step = owner, step
+        self.prof = profile(activities=owner.activities, with_stack=owner.with_stack, record_shapes=owner.with_stack)
+
+    def __enter__(self) -> None:
+        self.prof.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        owner = self.owner
+        if owner.dump:
+            folder = owner.folder / f"step_{self.step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(folder / f"rank{owner.rank}.json"))
+        elif owner.rank == 0:
+            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_OPERATORS)
+            print(f"profile of step {self.step} (rank 0):\n{table}", file=sys.stderr, flush=True)
