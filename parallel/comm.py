@@ -9,9 +9,17 @@ when a feature needs them, so none escapes the ledger.)
 
 Each call also opens a profiler range named "op group [label]" (label: the FSDP unit, the pipeline
 stage), so a trace shows which collective ran where; outside profiling the range costs microseconds.
+
+The ledger also sums the wall-clock time this rank spent blocked on communication ("exposed comm"):
+synchronous collectives for their whole duration, asynchronous ones while `wait` waits for them. It is
+measured on the host clock: exact for gloo; with NCCL, which blocks streams rather than the host, it
+counts only what the host itself waited.
 """
 
+import time
 from collections import defaultdict
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -46,6 +54,7 @@ class CommLedger:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self.wait_s = 0.0  # host time blocked on communication since the last reset
 
     def record(self, op: str, group: ProcessGroup | None, nbytes: int) -> None:
         entry = self._entries[(op, group_name(group))]
@@ -54,6 +63,7 @@ class CommLedger:
 
     def reset(self) -> None:
         self._entries.clear()
+        self.wait_s = 0.0
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """{op: {count, bytes}} summed over groups: the `comm` field of metrics.jsonl."""
@@ -82,9 +92,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def traced(op: str, group: ProcessGroup | None, label: str = "") -> record_function:
-    """The profiler range of a collective (or of waiting for one)."""
-    return record_function(f"{op} {group_name(group)}" + (f" {label}" if label else ""))
+@contextmanager
+def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool = True):
+    """The profiler range of a collective (or of waiting for one); a blocking one's time is exposed comm."""
+    start = time.perf_counter()
+    with record_function(f"{op} {group_name(group)}" + (f" {label}" if label else "")):
+        yield
+    if blocking:
+        LEDGER.wait_s += time.perf_counter() - start
+
+
+def wait(work: Work, op: str, group: ProcessGroup | None, label: str = "") -> None:
+    """Wait for an asynchronous collective; the time blocked counts as exposed comm."""
+    with traced(f"wait {op}", group, label):
+        work.wait()
 
 
 def all_reduce(
@@ -92,7 +113,7 @@ def all_reduce(
     label: str = "",
 ) -> Work | None:
     LEDGER.record("all_reduce", group, _nbytes(tensor))
-    with traced("all_reduce", group, label):
+    with traced("all_reduce", group, label, blocking=not async_op):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -100,7 +121,7 @@ def all_gather_into_tensor(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False, label: str = ""
 ) -> Work | None:
     LEDGER.record("all_gather", group, _nbytes(output))
-    with traced("all_gather", group, label):
+    with traced("all_gather", group, label, blocking=not async_op):
         return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -113,7 +134,7 @@ def reduce_scatter_tensor(
     label: str = "",
 ) -> Work | None:
     LEDGER.record("reduce_scatter", group, _nbytes(full))
-    with traced("reduce_scatter", group, label):
+    with traced("reduce_scatter", group, label, blocking=not async_op):
         return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
@@ -126,13 +147,14 @@ def batch_isend_irecv(
     for is_send, tensor, peer in ops:
         LEDGER.record("send" if is_send else "recv", group, _nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group, group_peer=peer))
-    with traced("send_recv", group, label):
+    with traced("send_recv", group, label, blocking=False):
         return dist.batch_isend_irecv(p2p)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     LEDGER.record("barrier", group, 0)
-    dist.barrier(group=group)
+    with traced("barrier", group):
+        dist.barrier(group=group)
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None) -> list[object]:

@@ -96,6 +96,8 @@ class Trainer:
     def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float) -> StepMetrics:
         tokens_per_s = self.global_tokens / elapsed
         flops_per_device = self.flops_per_token * tokens_per_s / self.mesh.dims.world_size
+        wait_s = min(comm.LEDGER.wait_s, elapsed)
+        computing_s = max(elapsed - wait_s, 1e-9)
         return StepMetrics(
             step=step,
             loss=loss,
@@ -104,6 +106,8 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             tflops=flops_per_device / 1e12,
+            tflops_compute=flops_per_device * elapsed / computing_s / 1e12,
+            comm_wait_s=wait_s,
             mfu=None if self.peak_flops is None else flops_per_device / self.peak_flops,
             mem_peak_gib=peak_memory_gib(self.device),
             comm=comm.LEDGER.by_op(),

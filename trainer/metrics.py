@@ -39,6 +39,8 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     tflops: float
+    tflops_compute: float  # model FLOPs over the step time not spent blocked on communication
+    comm_wait_s: float  # host time blocked on communication (comm.LEDGER.wait_s)
     mfu: float | None
     mem_peak_gib: float
     comm: dict[str, dict[str, int]]
@@ -119,6 +121,7 @@ class MetricsLog:
         mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
         return (
             f"step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.2e} | gnorm {m.grad_norm:.3f}"
-            f" | {m.tokens_per_s:,.0f} tok/s | {m.tflops:.3f} TFLOP/s/dev | MFU {mfu}"
+            f" | {m.tokens_per_s:,.0f} tok/s | {m.tflops:.3f} TFLOP/s/dev ({m.tflops_compute:.3f} computing)"
+            f" | comm wait {m.comm_wait_s * 1e3:.0f} ms | MFU {mfu}"
             f" | mem {m.mem_peak_gib:.2f} GiB | ETA {eta_s // 3600}:{eta_s % 3600 // 60:02d}:{eta_s % 60:02d}"
         )

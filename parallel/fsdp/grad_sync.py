@@ -96,6 +96,6 @@ def finalize(unit: FSDPUnit) -> None:
     """End of the step's backward: land the asynchronous replica all-reduce."""
     if unit.replica_reduce is not None:
         work, shard_grad = unit.replica_reduce
-        work.wait()
+        comm.wait(work, "all_reduce", unit.replicate_group, unit.name)
         accumulate_shard_grad(unit, shard_grad)
         unit.replica_reduce = None

@@ -135,8 +135,7 @@ class FSDPUnit:
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.GATHERING:
-            with comm.traced("wait all_gather", self.shard_group, self.name):
-                self._gather[0].wait()
+            comm.wait(self._gather[0], "all_gather", self.shard_group, self.name)
             self._gather = None
             self.state = UnitState.UNSHARDED
 

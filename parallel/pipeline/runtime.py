@@ -67,7 +67,7 @@ class PipelineRuntime:
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
         for work, _ in self._sending:
-            work.wait()
+            comm.wait(work, "send", self.group)
         self._sending.clear()
         if self._saved or self._inbox or self._outbox:
             raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
@@ -124,6 +124,5 @@ class PipelineRuntime:
             if is_send:
                 self._sending.append((work, tensor))  # the tensor must outlive the send
             else:
-                with comm.traced("wait recv", self.group, label):
-                    work.wait()
+                comm.wait(work, "recv", self.group, label)
         self._inbox.update(received)

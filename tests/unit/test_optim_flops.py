@@ -1,6 +1,7 @@
 """LR schedule and clipping; model FLOPs against torch's own FLOP counter."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import Transformer
+from parallel import comm
+from trainer.loop import Trainer
 from trainer.config import OptimConfig
 from trainer.flops import training_flops_per_token
 from trainer.loop import token_loss_sum
@@ -50,3 +53,19 @@ def test_flops_formula_matches_torch_flop_counter():
     with FlopCounterMode(display=False) as counter:
         token_loss_sum(model(tokens), tokens).backward()
     assert counter.get_total_flops() / tokens.numel() == pytest.approx(training_flops_per_token(args, 32), rel=1e-9)
+
+
+def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
+    """Both TFLOP/s from the FLOP formula: end to end over the step time, and over the time not spent
+    blocked on communication (the ledger's exposed-comm total)."""
+    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128)
+    per_token = training_flops_per_token(args, 128)
+    trainer = SimpleNamespace(global_tokens=4 * 128, flops_per_token=per_token, mesh=SimpleNamespace(
+        dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"))
+    comm.LEDGER.reset()
+    comm.LEDGER.wait_s = 0.25
+    m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
+    comm.LEDGER.reset()
+    assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
+    assert m.tflops_compute == pytest.approx(m.tflops / 0.75) and m.tflops_compute >= m.tflops
+    assert m.comm_wait_s == 0.25
