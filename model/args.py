@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from model.fp8 import Fp8Recipe
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -18,6 +20,12 @@ class ModelArgs:
     max_seq_len: int = 128
     efficient_attn: str = "sdpa"
     attn_bias_type: str = "causal"
+    use_fp8: bool = False
+    fp8_format: str = "hybrid"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_wgrad: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -30,3 +38,10 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The scaling recipe of the block linears' GEMMs; None when they run in the compute dtype."""
+        if not self.use_fp8:
+            return None
+        return Fp8Recipe(self.fp8_format, self.fp8_margin, self.fp8_amax_history_len, self.fp8_amax_compute_algo,
+                         self.fp8_wgrad)

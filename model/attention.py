@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
+from model.fp8 import Fp8Gemm
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 
 
@@ -54,6 +55,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def block_gemm(args: ModelArgs) -> Fp8Gemm | None:
+    """The matmul of a transformer-block linear: fp8 under model.use_fp8, else a plain one (None).
+    Embedding, norms and the output head always stay in the compute dtype."""
+    recipe = args.fp8_recipe()
+    return None if recipe is None else Fp8Gemm(recipe)
+
+
 class AttentionCore(nn.Module):
     """softmax(q k^T) v as a module of its own, so selective checkpointing can recompute just this."""
 
@@ -74,8 +82,8 @@ class Attention(nn.Module):
         self.tp, self.head_dim = tp, args.head_dim
         self.core = AttentionCore(args.efficient_attn)
         kv = args.n_kv_heads * args.head_dim
-        self.wqkv = ColumnParallelLinear(args.dim, (args.n_heads * args.head_dim, kv, kv), tp)
-        self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp)
+        self.wqkv = ColumnParallelLinear(args.dim, (args.n_heads * args.head_dim, kv, kv), tp, block_gemm(args))
+        self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp, block_gemm(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.tp.enter(x)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
-from model.attention import Attention, RotaryEmbedding
+from model.attention import Attention, RotaryEmbedding, block_gemm
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
 
@@ -28,11 +28,12 @@ class RMSNorm(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU with one fused column-parallel gate/up projection and a row-parallel down projection."""
 
-    def __init__(self, dim: int, hidden_dim: int, tp: TPContext):
+    def __init__(self, args: ModelArgs, tp: TPContext):
         super().__init__()
         self.tp = tp
-        self.w13 = ColumnParallelLinear(dim, (hidden_dim, hidden_dim), tp)  # gate, up
-        self.w2 = RowParallelLinear(hidden_dim, dim, tp)  # down
+        hidden_dim = args.ffn_hidden_dim
+        self.w13 = ColumnParallelLinear(args.dim, (hidden_dim, hidden_dim), tp, block_gemm(args))  # gate, up
+        self.w2 = RowParallelLinear(hidden_dim, args.dim, tp, block_gemm(args))  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13.split(self.w13(self.tp.enter(x)))
@@ -48,7 +49,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, tp)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, tp)
+        self.feed_forward = FeedForward(args, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)

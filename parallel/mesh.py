@@ -83,6 +83,8 @@ class ParallelMesh:
             "dp_cp": self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
             # The loss: summed over the data each rank saw, from the last stage (others add zero).
             "pp_dp_cp": self.mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("pp_dp_cp"),
+            # fp8 amaxes: every rank of a pipeline stage (TransformerEngine's tp x cp x dp group).
+            "dp_cp_tp": self.mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
             # The gradient norm: every piece of every parameter lives on exactly one of these ranks.
             "pp_dp_shard_cp_tp": self.mesh["pp", "dp_shard", "cp", "tp"]._flatten("pp_dp_shard_cp_tp"),
         }

@@ -105,7 +105,6 @@ def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ScatterToSP.apply(x, group) if group.size() > 1 else x
 
 
-
 class TPContext:
     """The TP group and whether activations between TP regions are sequence-split.
 
@@ -160,6 +159,11 @@ def tp_merge(slices: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cat([rank_parts[i] for rank_parts in per_rank], dim) for i in range(len(parts))], dim)
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor, gemm: nn.Module | None) -> torch.Tensor:
+    """x @ weight^T: a plain matmul, or the linear's own `gemm(x, weight)` (e.g. an fp8 one)."""
+    return nn.functional.linear(x, weight) if gemm is None else gemm(x, weight)
+
+
 class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = x @ W_local^T, W_local = rows [rank*out/tp, (rank+1)*out/tp) of the full W.
 
@@ -167,9 +171,10 @@ class ColumnParallelLinear(nn.Module):
     own, so a rank holds [part0_r; part1_r; ...] (for GQA: whole query heads and the KV heads they share).
     """
 
-    def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: TPContext):
+    def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: TPContext,
+                 gemm: nn.Module | None = None):
         super().__init__()
-        self.tp = tp
+        self.tp, self.gemm = tp, gemm
         parts = out_features if isinstance(out_features, tuple) else (out_features,)
         self.local_sizes = [p // tp.size for p in parts]
         weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
@@ -177,7 +182,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x must already be in the TP region (TPContext.enter), so several linears can share one entry."""
-        return nn.functional.linear(x, self.weight)
+        return matmul(x, self.weight, self.gemm)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused output's parts (this rank's share of each)."""
@@ -187,13 +192,13 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Partial y = x[..., in/tp] @ W_local^T, W_local = columns [rank*in/tp, ...) of the full W."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext):
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, gemm: nn.Module | None = None):
         super().__init__()
-        self.tp = tp
+        self.tp, self.gemm = tp, gemm
         self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features, in_features // tp.size)), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.exit(nn.functional.linear(x, self.weight))
+        return self.tp.exit(matmul(x, self.weight, self.gemm))
 
 
 class VocabParallelEmbedding(nn.Module):

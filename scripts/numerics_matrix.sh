@@ -25,7 +25,7 @@ TP2PP2DP2=(model_parallel_size=2 pipeline_parallel_size=2 batch_size=4 model.seq
 
 # name | overrides
 ROWS=(
-  "a tp2 pp2 dp2 fp8 gpipe|${TP2PP2DP2[*]} pipeline_schedule=gpipe compute_dtype=bf16 model.use_fp8=true"
+  "a tp2 pp2 dp2 fp8 gpipe|${TP2PP2DP2[*]} pipeline_schedule=gpipe compute_dtype=bf16 model.use_fp8=true reshard_after_forward=false"
   "b tp2 dp4 bf16 microbatches|model_parallel_size=2 batch_size=4 microbatch_size=1 compute_dtype=bf16"
   "c tp2 pp2 dp2 bf16 gpipe|${TP2PP2DP2[*]} pipeline_schedule=gpipe compute_dtype=bf16"
   "d tp2 pp2 dp2 bf16 1f1b|${TP2PP2DP2[*]} pipeline_schedule=1f1b compute_dtype=bf16"

@@ -31,7 +31,12 @@ class ModelConfig:
     attn_bias_type: str = "causal"
     use_te_layers: bool = False
     use_fp8: bool = False
+    fp8_format: str = "hybrid"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
     fp8_wgrad: bool = True
+    fp8_all_gather: bool = False
 
 
 @dataclass
@@ -128,6 +133,8 @@ ENUMS = {
     "model.layer_ckpt": ("none", "full", "selective"),
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
+    "model.fp8_format": ("hybrid", "e4m3"),
+    "model.fp8_amax_compute_algo": ("max", "most_recent"),
 }
 
 # Capabilities not built yet: (key, the value that is supported today).
@@ -136,8 +143,6 @@ NOT_SUPPORTED_YET = (
     ("mem_snapshot_stop_step", None),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),
-    ("model.use_fp8", False),
-    ("model.fp8_wgrad", True),
     # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.
     ("optim.use_fp32_copy_optim", True),
 )

@@ -25,10 +25,14 @@ SCHEDULE = tuple(
     f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio",
                            "clip_grad_norm")
 )
-PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad")
+FP8 = tuple(f"model.{k}" for k in ("fp8_format", "fp8_margin", "fp8_amax_compute_algo", "fp8_all_gather"))
+PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad", *FP8)
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
-# are resolved first.
-_AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "seq_len", "seed", "model_parallel_size")
+# are resolved first. The amax history's length is its checkpointed shape: it cannot change.
+_AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "model.fp8_amax_history_len", "seq_len", "seed",
+                  "model_parallel_size")
+# Keys newer than some checkpoints: absent from an older fingerprint means the default then in force.
+_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, "model.fp8_amax_history_len")}
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
 _HINTS = {
@@ -72,6 +76,7 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}); "
                           "it was not written by this trainer, or is damaged")
+    saved = _ABSENT_MEANS_DEFAULT | saved
     changed = [key for key in current if saved.get(key) != current[key] and key not in allowed]
     if not changed:
         return

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model.fp8 import fp8_gemms, update_scaling
 from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
@@ -56,6 +57,7 @@ class Trainer:
         loss_sum = self._forward_backward(step)
         for root in self.roots:
             root.finish_gradient_sync()
+        update_scaling(fp8_gemms(self.chunks), self.mesh.group("dp_cp_tp"))
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
         if not math.isfinite(norm):  # every rank holds the same reduced norm: all stop together
             raise FloatingPointError(f"step {step}: gradient norm is {norm}; stopping before the update")

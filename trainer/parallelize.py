@@ -7,6 +7,7 @@ order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces ov
 
 import torch
 
+from model.fp8 import initial_buffer
 from model.init import local_init_value
 from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
@@ -63,14 +64,17 @@ def parallelize(
     apply_activation_checkpointing(model, cfg.model.layer_ckpt)
     args = cfg.model_args()
 
-    def materialize(name: str, param: torch.Tensor) -> torch.Tensor:
-        return local_init_value(name, param, args, cfg.seed, model.tp).to(device)
+    def materialize(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter):
+            return local_init_value(name, tensor, args, cfg.seed, model.tp).to(device)
+        return initial_buffer(name, tensor).to(device)
 
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,
         reduce_dtype=DTYPES[cfg.reduce_dtype],
         reshard_after_forward=cfg.reshard_after_forward,
         optimize_backward_concat=cfg.optimize_backward_concat,
+        fp8_all_gather=cfg.model.fp8_all_gather,
     )
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)

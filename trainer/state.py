@@ -40,7 +40,9 @@ def checkpoint_state(
     units and a checkpoint reloads under any pipeline layout."""
     units = {f"{u.name}.flat_param": u for root in roots for u in root.units}
     opt_state = optimizer.state()
-    return {
+    # fp8 scaling state: identical on every rank of a stage (plain tensors, which DCP saves once).
+    fp8 = {f"{u.name}.{name}": buf for root in roots for u in root.units for name, buf in u.module.named_buffers()}
+    return ({"fp8": fp8} if fp8 else {}) | {
         "model": {key: shard_as_dtensor(u, u.flat_param, mesh) for key, u in units.items()},
         "optim": {
             key: {"step": opt_state[key]["step"]}
@@ -58,8 +60,11 @@ def load_into(
 ) -> int:
     """Load a checkpoint into `checkpoint_state` views; returns the step it was taken after."""
     (key,) = state["rng"]
-    if f"rng.{key}.shared" not in checkpoint_keys(path):
+    saved_keys = checkpoint_keys(path)
+    if f"rng.{key}.shared" not in saved_keys:
         del state["rng"]  # another layout: this rank's streams were not saved, start them fresh
+    if "fp8" in state and not any(k.startswith("fp8.") for k in saved_keys):
+        del state["fp8"]  # fp8 switched on at this resume (resume.allow_changed): scaling starts fresh
     load_checkpoint(path, state, group)
     sampler.check_resumable({k: int(v) for k, v in state["trainer"].items()})
     if "rng" in state:

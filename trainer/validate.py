@@ -5,6 +5,7 @@ the parallel layout, then capabilities that are not built yet (so a layout that 
 is reported as such, not as "not supported yet").
 """
 
+from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
@@ -16,10 +17,11 @@ _POSITIVE = (
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
     "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
+    "model.fp8_amax_history_len",
 )
 _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
-    "optim.weight_decay", "optim.eps",
+    "optim.weight_decay", "optim.eps", "model.fp8_margin",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
@@ -32,6 +34,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_resume_keys(cfg)
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
+    _check_fp8(cfg)
     # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
     pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
     dims = ParallelDims.from_sizes(
@@ -103,6 +106,39 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
         stage_layers = cfg.pipeline_parallel_size * cfg.num_layers_per_virtual_pipeline_stage
         _divisible("model.n_layers", m.n_layers,
                    "pipeline_parallel_size x num_layers_per_virtual_pipeline_stage", stage_layers)
+
+
+def _check_fp8(cfg: TrainConfig) -> None:
+    m = cfg.model
+    if not m.use_fp8:
+        for key, default in (("model.fp8_wgrad", True), ("model.fp8_all_gather", False)):
+            if get_key(cfg, key) != default:
+                raise ConfigError(f"{key}={get_key(cfg, key)} needs model.use_fp8=true (it changes fp8 GEMMs only)")
+        return
+    for what, size in fp8_gemm_sizes(cfg):
+        if size % GEMM_MULTIPLE:
+            raise ConfigError(
+                f"model.use_fp8=true needs every fp8 GEMM dimension divisible by {GEMM_MULTIPLE} "
+                f"(torch._scaled_mm): {what} = {size} is not"
+            )
+
+
+def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:
+    """The in/out sizes of every TP-local block linear, and (for the fp8 weight gradient, whose inner
+    dimension it is) the tokens of one microbatch on one rank."""
+    args, tp = cfg.model_args(), cfg.model_parallel_size
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sizes = [
+        ("model.dim", args.dim),
+        ("(q + 2 kv heads) x head_dim / model_parallel_size", (q + 2 * kv) // tp),
+        ("model.n_heads x head_dim / model_parallel_size", q // tp),
+        ("2 x ffn hidden size / model_parallel_size", 2 * args.ffn_hidden_dim // tp),
+        ("ffn hidden size / model_parallel_size", args.ffn_hidden_dim // tp),
+    ]
+    if cfg.model.fp8_wgrad:
+        tokens = cfg.microbatch_size * cfg.seq_len // cfg.context_parallel_size
+        sizes.append(("microbatch_size x seq_len / context_parallel_size (model.fp8_wgrad=true)", tokens))
+    return sizes
 
 
 def _check_supported(cfg: TrainConfig) -> None:

@@ -66,6 +66,15 @@ def split_views(flat: torch.Tensor, spec: FlatParamSpec) -> list[torch.Tensor]:
     return [chunk.view(shape) for chunk, shape in zip(torch.split(flat[: spec.total], spec.numels), spec.shapes)]
 
 
+def free_storage(t: torch.Tensor) -> None:
+    """Release a buffer's memory but keep the tensor (and every view of it) for a later refill."""
+    t.untyped_storage().resize_(0)
+
+
+def allocate_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 def unflatten(flat: torch.Tensor, spec: FlatParamSpec) -> dict[str, torch.Tensor]:
     """Name -> tensor (copies) of a full flat tensor: for export and tests."""
     return {name: view.clone() for name, view in zip(spec.names, split_views(flat, spec))}

@@ -25,7 +25,7 @@ class FSDPRoot:
         """Call before the forward AND before the backward of each microbatch: a pipeline schedule
         may run another microbatch's forward in between, and both passes read these flags."""
         for unit in self.units:
-            unit.is_first_microbatch, unit.is_last_microbatch = is_first, is_last
+            unit.set_microbatch(is_first, is_last)
 
     def prefetch_next(self, unit: FSDPUnit) -> None:
         """Forward: start the next unit's all-gather (at most one ahead)."""

@@ -15,13 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 from functools import partial
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup, Work
 
 from parallel import comm
-from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of, split_views
+from parallel.fsdp.flat_param import (
+    FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
+)
+from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of
 from parallel.fsdp.grad_sync import accumulate_unsharded
 
 
@@ -57,14 +61,14 @@ class FSDPConfig:
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
+    fp8_all_gather: bool = False  # gather the weights of fp8 GEMMs as fp8 (see fp8_gather.py)
 
 
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
+@runtime_checkable
+class MicrobatchAware(Protocol):
+    """A submodule that wants the scheduler's marks, e.g. to cache an fp8 weight cast for the step."""
 
-
-def _allocate(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None: ...
 
 
 class FSDPUnit:
@@ -72,8 +76,8 @@ class FSDPUnit:
         self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
         cfg: FSDPConfig, tp: TPGroups | None = None, materialize: Materialize | None = None,
     ):
-        """`materialize(name, param)` gives the value of a parameter built on the meta device (name is
-        relative to the unit's module), so only one unit's unsharded parameters ever exist at a time."""
+        """`materialize(name, tensor)` gives the value of a parameter or buffer built on the meta device
+        (name relative to the unit's module), so only one unit's unsharded parameters ever exist at a time."""
         self.name, self.module, self.cfg = name, module, cfg
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.tp = tp or TPGroups()
@@ -90,15 +94,20 @@ class FSDPUnit:
         for sub, attr in owners:
             del sub._parameters[attr]
         module.register_parameter("flat_param", self.flat_param)
+        _materialize_buffers(module, materialize)
         self._owners = owners
         self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
         self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
-        _free(self._buffer)
+        free_storage(self._buffer)
         self._full = torch.empty(0, dtype=cfg.compute_dtype, device=device).requires_grad_()
         self._full.data = self._buffer  # shares storage, not the version counter: re-gathers stay legal
+        fp8_params = fp8_params_of(self.spec, owners) if cfg.fp8_all_gather else []
+        self._fp8 = Fp8Gather(self.spec, self.rank, shard_group, cfg.compute_dtype, fp8_params, name, device) \
+            if fp8_params else None
+        self._microbatch_aware = [m for m in module.modules() if isinstance(m, MicrobatchAware)]
         self.state = UnitState.SHARDED
-        self._gather: tuple[Work, torch.Tensor] | None = None
+        self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
         self.is_first_microbatch = self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.replica_reduce: tuple[Work, torch.Tensor] | None = None
@@ -119,24 +128,34 @@ class FSDPUnit:
         size = self.spec.shard_size
         return mask[self.rank * size : (self.rank + 1) * size]
 
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        """The scheduler's marks, for this unit and the submodules that want them."""
+        self.is_first_microbatch, self.is_last_microbatch = is_first, is_last
+        for module in self._microbatch_aware:
+            module.set_microbatch(is_first, is_last)
+
     # --- state transitions -------------------------------------------------------------------
     def start_unshard(self) -> None:
         if self.state is not UnitState.SHARDED:
             return
-        _allocate(self._buffer)
-        shard = self.flat_param.detach().to(self.cfg.compute_dtype)
-        if self.spec.world == 1:
-            self._buffer.copy_(shard)
-            self.state = UnitState.UNSHARDED
-            return
-        work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True, label=self.name)
-        self._gather = (work, shard)  # keep the input alive until the gather completes
+        allocate_storage(self._buffer)
+        if self._fp8 is not None:
+            self._gather = self._fp8.start(self.flat_param.detach())
+        elif self.spec.world == 1:
+            self._buffer.copy_(self.flat_param.detach())
+        else:
+            shard = self.flat_param.detach().to(self.cfg.compute_dtype)
+            work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True, label=self.name)
+            self._gather = [(work, shard)]
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.GATHERING:
-            comm.wait(self._gather[0], "all_gather", self.shard_group, self.name)
-            self._gather = None
+            for work, _ in self._gather:
+                comm.wait(work, "all_gather", self.shard_group, self.name)
+            self._gather = []
+            if self._fp8 is not None:
+                self._fp8.finish(self._buffer)
             self.state = UnitState.UNSHARDED
 
     def unshard(self) -> None:
@@ -146,7 +165,9 @@ class FSDPUnit:
     def reshard(self) -> None:
         self.wait_unshard()
         if self.state is UnitState.UNSHARDED:
-            _free(self._buffer)
+            free_storage(self._buffer)
+            if self._fp8 is not None:
+                self._fp8.free()
             self.state = UnitState.SHARDED
 
     # --- parameter views ---------------------------------------------------------------------
@@ -167,6 +188,16 @@ class FSDPUnit:
             raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
         for (sub, attr), view in zip(self._owners, views):
             setattr(sub, attr, view)
+
+
+def _materialize_buffers(module: nn.Module, materialize: Materialize | None) -> None:
+    """Buffers (e.g. fp8 scaling state) of a module built on the meta device get their initial values."""
+    for name, buf in list(module.named_buffers()):
+        if buf.is_meta:
+            if materialize is None:
+                raise ValueError(f"buffer {name} is on the meta device and nothing materializes it")
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._buffers[attr] = materialize(name, buf)
 
 
 class _DetachedViews:

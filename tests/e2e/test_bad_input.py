@@ -18,7 +18,7 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("data.source=/no/such/corpus",), ("data.source=/no/such/corpus", "does not exist")),
         (("batch_size=3", "microbatch_size=2"), ("batch_size=3", "microbatch_size=2")),
         (("steps=many",), ("steps='many'", "int")),
-        (("model.use_fp8=true",), ("model.use_fp8", "not supported yet")),
+        (("model.use_fp8=true", "model.dim=72"), ("model.use_fp8=true", "divisible by 16", "model.dim = 72")),
         (("pipeline_parallel_size=4",), ("model.n_layers=2", "pipeline_parallel_size=4")),
         (("pipeline_schedule=interleaved_1f1b",), ("pipeline_schedule=interleaved_1f1b", "2 virtual stages")),
     ],

@@ -18,6 +18,7 @@ CONTRACT_KEYS = (
     "log_freq log_all_steps profile_freq dump_profile_traces profile_with_stack mem_snapshot_stop_step "
     "model.n_layers model.dim model.n_heads model.n_kv_heads model.sequence_parallel model.layer_ckpt "
     "model.efficient_attn model.attn_bias_type model.use_te_layers model.use_fp8 model.fp8_wgrad "
+    "model.fp8_format model.fp8_margin model.fp8_amax_history_len model.fp8_amax_compute_algo model.fp8_all_gather "
     "optim.lr optim.use_fp32_copy_optim checkpoint.freq data.source"
 ).split()
 
@@ -71,6 +72,16 @@ def test_llama3_8b_dimensions():
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
         (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
         (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),
+        (["model.use_fp8=true", "model.dim=72", "model.n_heads=4"], 1,
+         "model.use_fp8=true needs every fp8 GEMM dimension divisible by 16 (torch._scaled_mm): model.dim = 72 is not"),
+        (["model.use_fp8=true", "model_parallel_size=8", "model.n_heads=8", "model.n_kv_heads=8"], 8,
+         "(q + 2 kv heads) x head_dim / model_parallel_size = 24 is not"),
+        (["model.use_fp8=true", "seq_len=24"], 1,
+         "microbatch_size x seq_len / context_parallel_size (model.fp8_wgrad=true) = 24 is not"),
+        (["model.fp8_all_gather=true"], 1, "model.fp8_all_gather=True needs model.use_fp8=true"),
+        (["model.fp8_wgrad=false"], 1, "model.fp8_wgrad=False needs model.use_fp8=true"),
+        (["model.use_fp8=true", "model.fp8_format=e5m2"], 1, "model.fp8_format=e5m2 is not one of: hybrid | e4m3"),
+        (["model.use_fp8=true", "model.fp8_amax_history_len=0"], 1, "model.fp8_amax_history_len=0 must be > 0"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
@@ -83,7 +94,6 @@ UNBUILT_VALUES = {
     "context_parallel_size": "2",
     "mem_snapshot_stop_step": "3",
     "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
-    "model.use_fp8": "true", "model.fp8_wgrad": "false",
     "optim.use_fp32_copy_optim": "false",
 }
 

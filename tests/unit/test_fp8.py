@@ -1,0 +1,107 @@
+"""The in-tree fp8 GEMM against an explicit quantize-dequantize reference, and the delayed-scaling
+recipe step by step against hand-computed values."""
+
+import pytest
+import torch
+
+from model.fp8 import FP8_MAX, Fp8Gemm, Fp8Recipe, scaled_mm, update_scaling
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def qdq(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What an fp8 operand holds, back in fp32: round(x * scale) in the format, divided by scale."""
+    limit = FP8_MAX[dtype]
+    return (x * scale).clamp(-limit, limit).to(dtype).to(torch.float32) / scale
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_fp8_gemm_matches_quantize_dequantize_reference(fmt: str, wgrad: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 48, generator=gen).requires_grad_()
+    weight = (torch.randn(32, 48, generator=gen) * 0.05).requires_grad_()
+    grad_out = torch.randn(2, 24, 32, generator=gen) * 1e-3
+    gemm = Fp8Gemm(Fp8Recipe(format=fmt, wgrad=wgrad))
+    scales = (3.0, 600.0, 2.0**14)  # input, weight, output gradient: none of them one
+    gemm.scale.copy_(torch.tensor(scales))
+    out = gemm(x, weight)
+    out.backward(grad_out)
+
+    grad_dtype = E5M2 if fmt == "hybrid" else E4M3
+    xq, wq = qdq(x.detach(), scales[0], E4M3), qdq(weight.detach(), scales[1], E4M3)
+    gq = qdq(grad_out, scales[2], grad_dtype)
+    torch.testing.assert_close(out, xq @ wq.t(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, gq @ wq, rtol=1e-5, atol=1e-9)
+    rows_g, rows_x = grad_out.reshape(-1, 32), x.detach().reshape(-1, 48)
+    expected_wgrad = gq.reshape(-1, 32).t() @ xq.reshape(-1, 48) if wgrad else rows_g.t() @ rows_x
+    torch.testing.assert_close(weight.grad, expected_wgrad, rtol=1e-5, atol=1e-9)
+    # The GEMMs recorded each operand's amax of the step in row 0.
+    amaxes = [x.detach().abs().max(), weight.detach().abs().max(), grad_out.abs().max()]
+    assert gemm.amax_history[0].tolist() == torch.stack(amaxes).tolist()
+    assert gemm.amax_history[1:].count_nonzero() == 0
+
+
+def test_fp8_cast_saturates_instead_of_overflowing() -> None:
+    gemm = Fp8Gemm(Fp8Recipe())
+    x = torch.full((16, 16), 1e6)
+    out = gemm(x, torch.eye(16))
+    assert torch.isfinite(out).all() and out.max().item() == 448.0
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_recipe_step_by_step(algo: str) -> None:
+    recipe = Fp8Recipe(format="hybrid", margin=1, amax_history_len=3, amax_compute_algo=algo)
+    gemm = Fp8Gemm(recipe)
+    steps = [  # amaxes a step records for (input, weight, grad output)
+        (4.0, 2.0, 0.5),
+        (1.0, 8.0, 0.0),  # no gradient amax this step: that scale must stay
+        (2.0, 1.0, 0.25),
+        (0.5, 0.5, float("inf")),  # an overflowed gradient: its scale must stay
+    ]
+    history: list[tuple[float, float, float]] = []
+    scale = [1.0, 1.0, 1.0]
+    fmax = (448.0, 448.0, 57344.0)
+    for amaxes in steps:
+        gemm.amax_history[0] = torch.tensor(amaxes)
+        update_scaling([gemm], group=None)
+        history = ([amaxes] + history)[:3]
+        for i in range(3):
+            amax = max(h[i] for h in history) if algo == "max" else amaxes[i]
+            if amax > 0 and amax != float("inf"):
+                scale[i] = fmax[i] / amax / 2.0
+        assert gemm.scale.tolist() == torch.tensor(scale).tolist()
+        # Rolled: row 0 waits at zero for the next step, older steps follow newest first from the end.
+        expected_rows = [(0.0, 0.0, 0.0), *reversed(history[:2])] if len(history) == 3 else None
+        assert gemm.amax_history[0].count_nonzero() == 0
+        if expected_rows is not None:
+            assert gemm.amax_history.tolist() == torch.tensor(expected_rows).tolist()
+    if algo == "max":  # the inf lives on in the history but never becomes a scale
+        assert scale[2] == 57344.0 / 0.5 / 2.0
+
+
+def test_weight_cast_is_cached_across_the_steps_microbatches() -> None:
+    gemm = Fp8Gemm(Fp8Recipe())
+    x = torch.ones(4, 16)
+    weight = torch.full((16, 16), 0.5)
+    gemm.set_microbatch(is_first=True, is_last=False)
+    first = gemm(x, weight)
+    gemm.set_microbatch(is_first=False, is_last=True)
+    assert torch.equal(gemm(x, weight * 2), first)  # the first microbatch's cast, reused
+    gemm.set_microbatch(is_first=True, is_last=True)
+    assert torch.equal(gemm(x, weight * 2), first * 2)  # a new step casts again
+    plain = Fp8Gemm(Fp8Recipe())  # no scheduler marks: a cast per call
+    assert torch.equal(plain(x, weight * 2), first * 2)
+
+
+@pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
+def test_cpu_gemm_is_torch_scaled_mm_up_to_summation_order(b_dtype: torch.dtype) -> None:
+    """On CPU the fp8 product runs as an fp32 GEMM (torch's CPU _scaled_mm is a slow reference loop):
+    it must be the product torch._scaled_mm computes."""
+    gen = torch.Generator().manual_seed(1)
+    a = (torch.randn(32, 48, generator=gen) * 30).to(E4M3)
+    b_rows = (torch.randn(16, 48, generator=gen) * 1000).to(b_dtype)
+    inv_a, inv_b = torch.tensor(0.25), torch.tensor(1 / 512)
+    ours = scaled_mm(a, b_rows, inv_a, inv_b, torch.float32)
+    torch_mm = torch._scaled_mm(a, b_rows.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=torch.float32)
+    torch.testing.assert_close(ours, torch_mm, rtol=1e-6, atol=1e-5)
