@@ -5,6 +5,10 @@ the parallel layout, then capabilities that are not built yet (so a layout that 
 is reported as such, not as "not supported yet").
 """
 
+import importlib.util
+
+import torch
+
 from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
@@ -110,6 +114,8 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
 
 def _check_fp8(cfg: TrainConfig) -> None:
     m = cfg.model
+    if m.use_te_layers:
+        _check_transformer_engine()
     if not m.use_fp8:
         for key, default in (("model.fp8_wgrad", True), ("model.fp8_all_gather", False)):
             if get_key(cfg, key) != default:
@@ -121,6 +127,15 @@ def _check_fp8(cfg: TrainConfig) -> None:
                 f"model.use_fp8=true needs every fp8 GEMM dimension divisible by {GEMM_MULTIPLE} "
                 f"(torch._scaled_mm): {what} = {size} is not"
             )
+
+
+def _check_transformer_engine() -> None:
+    install = "install it on a CUDA machine with: pip install -e '.[te]'"
+    if not torch.cuda.is_available():
+        raise ConfigError(f"model.use_te_layers=true needs CUDA and TransformerEngine; this machine has no CUDA "
+                          f"device (use the in-tree fp8 with model.use_te_layers=false, or {install})")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(f"model.use_te_layers=true needs TransformerEngine, which is not installed: {install}")
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:

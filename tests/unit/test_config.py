@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -93,16 +94,24 @@ def test_rule_violations_are_one_line(overrides, world, message):
 UNBUILT_VALUES = {
     "context_parallel_size": "2",
     "mem_snapshot_stop_step": "3",
-    "model.attn_bias_type": "block_causal", "model.use_te_layers": "true",
+    "model.attn_bias_type": "block_causal",
     "optim.use_fp32_copy_optim": "false",
 }
 
 
 def test_capabilities_not_built_yet_are_rejected_not_ignored():
-    assert {key for key, _ in NOT_SUPPORTED_YET} == UNBUILT_VALUES.keys()
+    assert {key for key, _ in NOT_SUPPORTED_YET} - {"model.use_te_layers"} == UNBUILT_VALUES.keys()
     for key, value in UNBUILT_VALUES.items():
         with pytest.raises(ConfigError, match=f"{key}=.* is not supported yet"):
             validate(load(f"{key}={value}"), world_size=16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_te_layers_without_cuda_say_how_to_get_them():
+    with pytest.raises(ConfigError) as err:
+        validate(load("model.use_te_layers=true", "model.use_fp8=true"), world_size=1)
+    message = str(err.value)
+    assert "model.use_te_layers=true needs CUDA and TransformerEngine" in message and "pip install -e '.[te]'" in message
 
 
 def test_wrong_types_and_unknown_keys():
