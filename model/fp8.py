@@ -194,6 +194,13 @@ def update_scaling(gemms: list[Fp8Gemm], group: ProcessGroup | None) -> None:
         gemm.update_scale()
 
 
+@torch.no_grad()
+def discard_step_amaxes(gemms: list[Fp8Gemm]) -> None:
+    """Forget the amaxes recorded since the last update (e.g. by evaluation forwards between steps)."""
+    for gemm in gemms:
+        gemm.amax_history[0].zero_()
+
+
 def initial_buffer(name: str, like: torch.Tensor) -> torch.Tensor:
     """The value an fp8 scaling buffer starts from: an empty history, unit scales."""
     if name.endswith("amax_history"):

@@ -45,6 +45,7 @@ class DataConfig:
     tokenizer: str | None = None
     cache_dir: str = ".cache/data"
     prepare_timeout_s: float = 3600.0
+    held_out_fraction: float = 0.01
 
 
 @dataclass
@@ -66,6 +67,17 @@ class CheckpointConfig:
     freq: int = 0
     keep: int = 0
     verify_checksums: bool = True
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = False  # also write the per-step scalars as TensorBoard events in {dump_dir}/tb/
+
+
+@dataclass
+class EvalConfig:
+    freq: int = 0  # evaluate every N steps (and after the last); 0 = never
+    steps: int = 4  # held-out global batches per evaluation
 
 
 @dataclass
@@ -106,6 +118,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def virtual_pipeline_stages(self) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from parallel.errors import ConfigError
-from trainer.sampler import GlobalBatchSampler, per_rank_batch_size
+from trainer.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.token_shards import (
     PackedTokens,
     file_sha256,
@@ -230,7 +230,7 @@ class BatchLoader:
     def __init__(
         self,
         tokens: PackedTokens,
-        sampler: GlobalBatchSampler,
+        sampler: GlobalBatchSampler | HeldOutSampler,
         seq_len: int,
         dp_rank: int,
         dp_size: int,
@@ -241,8 +241,6 @@ class BatchLoader:
             raise ConfigError(
                 f"microbatch_size={microbatch_size} must divide batch_size={self.per_rank_batch}"
             )
-        if tokens.num_sequences(seq_len) != sampler.num_sequences:
-            raise ValueError("the sampler was built for a different seq_len or data set")
         self.tokens, self.sampler, self.seq_len = tokens, sampler, seq_len
         self.dp_rank, self.dp_size, self.microbatch_size = dp_rank, dp_size, microbatch_size
 

@@ -30,9 +30,11 @@ PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad"
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
 # are resolved first. The amax history's length is its checkpointed shape: it cannot change.
 _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "model.fp8_amax_history_len", "seq_len", "seed",
-                  "model_parallel_size")
-# Keys newer than some checkpoints: absent from an older fingerprint means the default then in force.
-_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, "model.fp8_amax_history_len")}
+                  "model_parallel_size", "data.held_out_fraction")
+# Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
+# fp8 defaults; no held-out split).
+_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, "model.fp8_amax_history_len")} | {
+    "data.held_out_fraction": 0.0}
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
 _HINTS = {

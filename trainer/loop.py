@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.fp8 import fp8_gemms, update_scaling
+from model.fp8 import discard_step_amaxes, fp8_gemms, update_scaling
 from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
@@ -45,6 +45,7 @@ class Trainer:
     device: torch.device
     flops_per_token: float
     peak_flops: float | None
+    eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
 
     @property
     def global_tokens(self) -> int:
@@ -73,6 +74,32 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         return self._metrics(step, loss, norm, lr, elapsed)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over eval.steps held-out global batches: the pipeline's forwards only, the
+        same tokens for every layout. Leaves no trace in training: units end resharded and the fp8
+        amaxes the forwards recorded are dropped (they belong to no step)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tp = self.chunks[-1].tp
+        first_or_last = self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
+        for batch in range(self.cfg.eval.steps):
+            microbatches = self.eval_loader.batch(batch) if first_or_last else []
+
+            def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
+                nonlocal loss_sum
+                mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp)
+                loss_sum += mb_loss.double()
+                return mb_loss
+
+            self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss)
+        for root in self.roots:
+            root.reshard()
+        discard_step_amaxes(fp8_gemms(self.chunks))
+        loss_group = self.mesh.group("pp_dp_cp")
+        if loss_group.size() > 1:
+            comm.all_reduce(loss_sum, loss_group)
+        return loss_sum.item() / (self.global_tokens * self.cfg.eval.steps)
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""

@@ -10,7 +10,8 @@ import json
 import os
 import resource
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,9 +45,11 @@ class StepMetrics:
     mfu: float | None
     mem_peak_gib: float
     comm: dict[str, dict[str, int]]
+    eval_loss: float | None = None  # held-out loss after this step, on evaluation steps only
+    wall_time: float = field(default_factory=time.time)  # when the step ended (seconds since the epoch)
 
     def record(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "eval_loss" or v is not None}
 
 
 def _is_record(line: str) -> bool:
@@ -119,9 +122,11 @@ class MetricsLog:
         recent = self._step_times[-10:]
         eta_s = int(sum(recent) / len(recent) * (self.total_steps - m.step))
         mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time))
         return (
-            f"step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.2e} | gnorm {m.grad_norm:.3f}"
+            f"{stamp} step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.2e} | gnorm {m.grad_norm:.3f}"
             f" | {m.tokens_per_s:,.0f} tok/s | {m.tflops:.3f} TFLOP/s/dev ({m.tflops_compute:.3f} computing)"
             f" | comm wait {m.comm_wait_s * 1e3:.0f} ms | MFU {mfu}"
-            f" | mem {m.mem_peak_gib:.2f} GiB | ETA {eta_s // 3600}:{eta_s % 3600 // 60:02d}:{eta_s % 60:02d}"
+            f" | mem {m.mem_peak_gib:.2f} GiB" + ("" if m.eval_loss is None else f" | eval {m.eval_loss:.4f}")
+            + f" | ETA {eta_s // 3600}:{eta_s % 3600 // 60:02d}:{eta_s % 60:02d}"
         )

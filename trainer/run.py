@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.errors import ConfigError
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import schedule_actions
@@ -29,10 +30,11 @@ from trainer.loop import Trainer
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
 from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, parallelize, tp_context
-from trainer.sampler import GlobalBatchSampler
+from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
 from trainer.resume import resume
 from trainer.state import checkpoint_state
+from trainer.tensorboard import TensorBoardLog
 from trainer.token_shards import TOKENS_FILE, file_sha256
 from trainer.tokenizer import Tokenizer
 
@@ -110,8 +112,8 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
 
 def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path) -> None:
     log = partial(log0, launch.rank)
-    tokenizer, loader = _build_data(cfg, mesh, launch.rank, log)
-    trainer = build_trainer(cfg, mesh, loader, device)
+    tokenizer, loader, eval_loader = _build_data(cfg, mesh, launch.rank, log)
+    trainer = build_trainer(cfg, mesh, loader, device, eval_loader)
     rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
     state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler, mesh.shard_tp_mesh(),
                     rank=launch.rank, pp=mesh.dims.pp)
@@ -133,7 +135,9 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
 
 
-def build_trainer(cfg: TrainConfig, mesh: ParallelMesh, loader: BatchLoader, device: torch.device) -> Trainer:
+def build_trainer(
+    cfg: TrainConfig, mesh: ParallelMesh, loader: BatchLoader, device: torch.device, eval_loader: BatchLoader | None = None
+) -> Trainer:
     """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
     dtype = compute_dtype(cfg, device)
     chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"))
@@ -143,19 +147,32 @@ def build_trainer(cfg: TrainConfig, mesh: ParallelMesh, loader: BatchLoader, dev
         loader, device,
         flops_per_token=training_flops_per_token(cfg.model_args(), cfg.seq_len),
         peak_flops=device_peak_flops(device),
+        eval_loader=eval_loader,
     )
 
 
 def _build_data(
     cfg: TrainConfig, mesh: ParallelMesh, rank: int, log: Callable[[str], None]
-) -> tuple[Tokenizer, BatchLoader]:
+) -> tuple[Tokenizer, BatchLoader, BatchLoader | None]:
+    """The tokenizer, the training batches and (with eval.freq) the held-out evaluation batches."""
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
     )
-    dp = mesh.dims.dp
-    sampler = GlobalBatchSampler(tokens.num_sequences(cfg.seq_len), cfg.batch_size * dp, cfg.seed)
-    return tokenizer, BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+    dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp
+    train_windows, held_out = split_windows(tokens.num_sequences(cfg.seq_len), cfg.data.held_out_fraction)
+    sampler = GlobalBatchSampler(train_windows, global_batch, cfg.seed)
+    loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+    if not cfg.eval.freq:
+        return tokenizer, loader, None
+    eval_sampler = HeldOutSampler(held_out, global_batch)
+    if eval_sampler.num_batches < cfg.eval.steps:
+        raise ConfigError(
+            f"eval.steps={cfg.eval.steps} global batches of {global_batch} sequences need "
+            f"{cfg.eval.steps * global_batch} held-out sequences, but data.held_out_fraction="
+            f"{cfg.data.held_out_fraction} holds {len(held_out)}; lower eval.steps or raise the fraction"
+        )
+    return tokenizer, loader, BatchLoader(tokens, eval_sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
 
 
 def _fit(
@@ -163,15 +180,23 @@ def _fit(
     rank: int, log: Callable[[str], None],
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
+    tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
     ckpt_root = Path(cfg.dump_dir) / "checkpoints"
     profiler = StepProfiler(cfg, rank, trainer.device)
     for step in range(start_step + 1, cfg.steps + 1):
         with profiler.step(step):
             m = trainer.train_step(step)
-        if cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
+        evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
+        if evaluate:
+            m.eval_loss = trainer.evaluate()
+        if evaluate or cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
             metrics.log(m)
+            if tensorboard is not None:
+                tensorboard.log(m)
         if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:
             path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)
             if rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
             log(f"saved checkpoint {path}")
+    if tensorboard is not None:
+        tensorboard.close()

@@ -78,10 +78,37 @@ class GlobalBatchSampler:
         return self._cached_permutation
 
 
+class HeldOutSampler:
+    """Evaluation batches: the held-out windows in their fixed order, `global_batch_size` per batch, each
+    data-parallel rank a contiguous slice (as in training), so every layout evaluates the same tokens."""
+
+    def __init__(self, windows: range, global_batch_size: int) -> None:
+        self.windows, self.global_batch_size = windows, global_batch_size
+        self.num_batches = len(windows) // global_batch_size
+
+    def rank_indices(self, batch: int, dp_rank: int, dp_size: int) -> np.ndarray:
+        if not 0 <= batch < self.num_batches:
+            raise IndexError(f"eval batch {batch} is outside the {self.num_batches} the held-out split holds")
+        per_rank = per_rank_batch_size(self.global_batch_size, dp_size)
+        start = batch * self.global_batch_size + dp_rank * per_rank
+        return np.arange(self.windows.start + start, self.windows.start + start + per_rank, dtype=np.int64)
+
+
+def split_windows(num_windows: int, held_out_fraction: float) -> tuple[int, range]:
+    """Training windows [0, n) and the held-out ones: the corpus' last `held_out_fraction` of windows.
+    One window between them is skipped, because consecutive windows share a token: no held-out token
+    is ever a training input or target."""
+    held_out = int(num_windows * held_out_fraction)
+    if held_out == 0:
+        return num_windows, range(num_windows, num_windows)
+    train = num_windows - held_out - 1
+    return train, range(train + 1, num_windows)
+
+
 # Which user-facing config key changed when a sampler field no longer matches the checkpoint.
 _RESUME_HINTS = {
     "seed": "seed changed",
-    "num_sequences": "data.source or seq_len changed",
+    "num_sequences": "data.source, seq_len or data.held_out_fraction changed",
     "global_batch_size": "batch_size (or the data-parallel size) changed",
 }
 

@@ -21,11 +21,11 @@ _POSITIVE = (
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
     "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
-    "model.fp8_amax_history_len",
+    "model.fp8_amax_history_len", "eval.steps",
 )
 _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
-    "optim.weight_decay", "optim.eps", "model.fp8_margin",
+    "optim.weight_decay", "optim.eps", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
@@ -61,6 +61,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
     for key in _UNIT_INTERVAL:
         if not 0.0 <= get_key(cfg, key) < 1.0:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be in [0, 1)")
+    if not 0.0 <= cfg.data.held_out_fraction <= 0.5:
+        raise ConfigError(f"data.held_out_fraction={cfg.data.held_out_fraction} must be in [0, 0.5]")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     for key in ("dump_profile_traces", "profile_with_stack"):

@@ -49,6 +49,11 @@ class FSDPRoot:
                     f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
                 )
 
+    def reshard(self) -> None:
+        """Free every unit's unsharded parameters (e.g. after forward-only passes)."""
+        for unit in self.units:
+            unit.reshard()
+
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient elements (TP-replicated ones counted on TP rank 0 only)."""
         total = torch.zeros((), dtype=torch.float32, device=self.units[0].flat_param.device)

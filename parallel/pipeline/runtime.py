@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from parallel import comm
 from parallel.fsdp import FSDPRoot
 from parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, RECV_B, RECV_F, Action, batched, downstream, stage_of, transfer_key,
+    BACKWARD, FORWARD, RECV_B, RECV_F, Action, batched, downstream, forward_only, stage_of, transfer_key,
 )
 
 Inputs = Callable[[int], torch.Tensor]  # microbatch -> the first stage's input (token ids)
@@ -40,6 +40,7 @@ class PipelineRuntime:
         self.rank = program[0].rank
         self.num_stages = pp * len(chunks)
         self.steps = batched(program)
+        self.forward_steps = batched(forward_only(program))
         self.shape, self.dtype, self.device = activation_shape, dtype, device
         computes = [a for a in program if a.is_compute]
         # Per chunk: the microbatch it runs forward first and backward last (the FSDP marks).
@@ -54,13 +55,20 @@ class PipelineRuntime:
 
     def run_step(self, inputs: Inputs, loss: Loss) -> None:
         """Run every forward and backward of the step; gradients are left in the FSDP units."""
-        for step in self.steps:
+        self._run(self.steps, inputs, loss, keep_for_backward=True)
+
+    def run_forward(self, inputs: Inputs, loss: Loss) -> None:
+        """Forwards only (evaluation, under no_grad): the step's program without its backward half."""
+        self._run(self.forward_steps, inputs, loss, keep_for_backward=False)
+
+    def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, keep_for_backward: bool) -> None:
+        for step in steps:
             a, start = step[0], time.time()
             if not a.is_compute:
                 self._exchange(step)
             elif a.op == FORWARD:
                 with record_function(str(a)):
-                    self._forward(a, inputs, loss)
+                    self._forward(a, inputs, loss, keep_for_backward)
             else:
                 with record_function(str(a)):
                     self._backward(a)
@@ -77,7 +85,7 @@ class PipelineRuntime:
             is_first=a.microbatch == self.first_forward[a.chunk], is_last=a.microbatch == self.last_backward[a.chunk]
         )
 
-    def _forward(self, a: Action, inputs: Inputs, loss: Loss) -> None:
+    def _forward(self, a: Action, inputs: Inputs, loss: Loss, keep_for_backward: bool) -> None:
         self._mark(a)
         stage = stage_of(a, self.pp)
         if stage == 0:
@@ -89,7 +97,8 @@ class PipelineRuntime:
             y = loss(y, a.microbatch)
         else:
             self._route(FORWARD, stage, a.microbatch, y.detach())
-        self._saved[(a.chunk, a.microbatch)] = (x, y)
+        if keep_for_backward:
+            self._saved[(a.chunk, a.microbatch)] = (x, y)
 
     def _backward(self, a: Action) -> None:
         self._mark(a)

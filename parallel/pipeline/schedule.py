@@ -242,6 +242,12 @@ def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int, rank: 
     return list(pipeline_actions(schedule, pp, vpp, microbatches)[rank])
 
 
+def forward_only(program: list[Action]) -> list[Action]:
+    """The forwards of a program and their transfers (evaluation): a subset of a deadlock-free order,
+    with every batch still matched slot by slot, is deadlock-free."""
+    return [a for a in program if a.op in (FORWARD, SEND_F, RECV_F)]
+
+
 def chunk_layers(n_layers: int, pp: int, vpp: int, rank: int, chunk: int) -> range:
     """The global layer indices of chunk `chunk` of rank `rank`: layer block chunk * pp + rank."""
     per_stage = n_layers // (pp * vpp)

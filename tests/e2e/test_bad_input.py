@@ -20,6 +20,7 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("steps=many",), ("steps='many'", "int")),
         (("model.use_fp8=true", "model.dim=72"), ("model.use_fp8=true", "divisible by 16", "model.dim = 72")),
         (("pipeline_parallel_size=4",), ("model.n_layers=2", "pipeline_parallel_size=4")),
+        (("eval.freq=2", "eval.steps=100000"), ("eval.steps=100000", "held-out sequences", "data.held_out_fraction")),
         (("pipeline_schedule=interleaved_1f1b",), ("pipeline_schedule=interleaved_1f1b", "2 virtual stages")),
     ],
 )

@@ -14,7 +14,7 @@ import torch
 
 from parallel.errors import ConfigError
 from trainer.data import BatchLoader, default_corpus_files, prepare_dataset, resolve_source_files
-from trainer.sampler import GlobalBatchSampler
+from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.token_shards import PackedTokens, is_complete, write_packed_tokens
 from trainer.tokenizer import Tokenizer, train_tokenizer
 
@@ -152,7 +152,7 @@ def test_sampler_resumes_from_state_dict() -> None:
 
 @pytest.mark.parametrize(
     ("field", "match"),
-    [("seed", "seed"), ("num_sequences", "data.source or seq_len"), ("global_batch_size", "batch_size")],
+    [("seed", "seed"), ("num_sequences", "data.source, seq_len or data.held_out_fraction"), ("global_batch_size", "batch_size")],
 )
 def test_sampler_refuses_changed_state(field: str, match: str) -> None:
     state = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).state_dict()
@@ -296,3 +296,25 @@ def test_default_corpus_end_to_end() -> None:
     inputs, _ = BatchLoader(tokens, sampler, 128, 0, 1, 4).batch(0)[0]
     assert inputs.shape == (4, 128) and int(inputs.max()) < 512
     assert tokenizer.decode(inputs[0].tolist())  # real text comes back out
+
+
+@pytest.mark.parametrize("num_windows, fraction", [(1000, 0.01), (57, 0.1), (40, 0.0)])
+def test_held_out_split_is_disjoint_from_training_and_layout_independent(num_windows, fraction):
+    seq_len = 16
+    train, held_out = split_windows(num_windows, fraction)
+    assert len(held_out) == int(num_windows * fraction)
+    # Window i reads tokens [i*L, i*L + L]: no held-out token is a training input or target.
+    train_tokens = set(range(0, train * seq_len + 1))
+    held_out_tokens = {t for w in held_out for t in range(w * seq_len, w * seq_len + seq_len + 1)}
+    assert not train_tokens & held_out_tokens
+    sampler = GlobalBatchSampler(train, global_batch_size=4, seed=0)
+    assert max(max(sampler.global_indices(s)) for s in range(3 * sampler.steps_per_epoch)) < train
+    if not held_out:
+        return
+    evals = HeldOutSampler(held_out, global_batch_size=2)
+    for batch in range(evals.num_batches):
+        whole = evals.rank_indices(batch, 0, 1)
+        assert np.array_equal(np.concatenate([evals.rank_indices(batch, r, 2) for r in range(2)]), whole)
+        assert all(w in held_out for w in whole)
+    with pytest.raises(IndexError, match="outside"):
+        evals.rank_indices(evals.num_batches, 0, 1)

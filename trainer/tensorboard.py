@@ -1,0 +1,33 @@
+"""The per-step scalars of metrics.jsonl as TensorBoard event files under {dump_dir}/tb/ (one writer rank).
+
+Scalars: loss, eval_loss, lr, grad_norm, tokens/s, step time, TFLOP/s (end to end and computing),
+exposed communication, peak memory, and communication bytes per op. A resumed job purges the events
+of the steps it redoes, as metrics.jsonl moves their records aside, so curves never double back.
+"""
+
+from pathlib import Path
+
+from trainer.metrics import StepMetrics
+
+TB_DIR = "tb"
+_SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
+            "comm_wait_s", "mfu", "mem_peak_gib")
+
+
+class TensorBoardLog:
+    def __init__(self, dump_dir: Path, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: only when asked
+
+        self.writer = SummaryWriter(log_dir=str(dump_dir / TB_DIR), purge_step=start_step + 1)
+
+    def log(self, m: StepMetrics) -> None:
+        for name in _SCALARS:
+            value = getattr(m, name)
+            if value is not None:
+                self.writer.add_scalar(f"train/{name}" if name != "eval_loss" else "eval/loss", value, m.step)
+        for op, entry in m.comm.items():
+            self.writer.add_scalar(f"comm_bytes/{op}", entry["bytes"], m.step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
