@@ -154,7 +154,6 @@ ENUMS = {
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
     ("context_parallel_size", 1),
-    ("mem_snapshot_stop_step", None),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),
     # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.

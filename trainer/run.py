@@ -27,6 +27,7 @@ from trainer.dump_dir import own_dump_dir
 from trainer.fingerprint import FINGERPRINT_FILE, data_fingerprint, run_fingerprint, write_fingerprint
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
+from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
 from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, parallelize, tp_context
@@ -183,9 +184,12 @@ def _fit(
     tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
     ckpt_root = Path(cfg.dump_dir) / "checkpoints"
     profiler = StepProfiler(cfg, rank, trainer.device)
+    memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
+                             trainer.roots, trainer.optimizer)
     for step in range(start_step + 1, cfg.steps + 1):
-        with profiler.step(step):
+        with profiler.step(step), memory.recording(step):
             m = trainer.train_step(step)
+        memory.after_step(step)
         evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
         if evaluate:
             m.eval_loss = trainer.evaluate()

@@ -27,7 +27,8 @@ _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "optim.eps", "model.fp8_margin", "eval.freq",
 )
-_OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage")
+_OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
+                      "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 
 

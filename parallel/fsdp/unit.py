@@ -170,6 +170,19 @@ class FSDPUnit:
                 self._fp8.free()
             self.state = UnitState.SHARDED
 
+    # --- memory accounting -------------------------------------------------------------------
+    def parameter_storages(self) -> list[int]:
+        """The storages that hold this unit's parameters (shard, unsharded buffer, fp8 gather)."""
+        held = [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
+        return [t.untyped_storage().data_ptr() for t in held]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the unit holds right now: parameters (shard + whatever is unsharded) and gradients."""
+        held = [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
+        grads = [t for t in (self.grad_accumulator, self.flat_param.grad) if t is not None]
+        return {"parameters": sum(t.untyped_storage().nbytes() for t in held),
+                "gradients": sum(t.untyped_storage().nbytes() for t in grads)}
+
     # --- parameter views ---------------------------------------------------------------------
     def install_views(self, on_view_grads_done) -> None:
         """Point the module's parameters at views of the unsharded flat parameter.

@@ -93,7 +93,6 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 UNBUILT_VALUES = {
     "context_parallel_size": "2",
-    "mem_snapshot_stop_step": "3",
     "model.attn_bias_type": "block_causal",
     "optim.use_fp32_copy_optim": "false",
 }
