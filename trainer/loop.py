@@ -138,6 +138,7 @@ class Trainer:
             tflops_compute=flops_per_device * elapsed / computing_s / 1e12,
             comm_wait_s=wait_s,
             mfu=None if self.peak_flops is None else flops_per_device / self.peak_flops,
+            mfu_compute=None if self.peak_flops is None else flops_per_device * elapsed / computing_s / self.peak_flops,
             mem_peak_gib=peak_memory_gib(self.device),
             comm=comm.LEDGER.by_op(),
         )

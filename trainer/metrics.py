@@ -43,6 +43,7 @@ class StepMetrics:
     tflops_compute: float  # model FLOPs over the step time not spent blocked on communication
     comm_wait_s: float  # host time blocked on communication (comm.LEDGER.wait_s)
     mfu: float | None
+    mfu_compute: float | None  # the MFU of tflops_compute (CUDA only, like mfu)
     mem_peak_gib: float
     comm: dict[str, dict[str, int]]
     eval_loss: float | None = None  # held-out loss after this step, on evaluation steps only
@@ -121,7 +122,7 @@ class MetricsLog:
     def human_line(self, m: StepMetrics) -> str:
         recent = self._step_times[-10:]
         eta_s = int(sum(recent) / len(recent) * (self.total_steps - m.step))
-        mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
+        mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}% ({100 * m.mfu_compute:.1f}% computing)"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time))
         return (
             f"{stamp} step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.2e} | gnorm {m.grad_norm:.3f}"

@@ -11,7 +11,7 @@ from trainer.metrics import StepMetrics
 
 TB_DIR = "tb"
 _SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
-            "comm_wait_s", "mfu", "mem_peak_gib")
+            "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib")
 
 
 class TensorBoardLog:

@@ -19,7 +19,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -29,6 +28,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from model.fp8 import Fp8Recipe, quantize, scaled_mm  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
+from scripts.bench.trainer_step import RandomTokens, step_bench_options  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402
 from trainer.validate import fp8_gemm_sizes, validate  # noqa: E402
@@ -73,18 +73,6 @@ def gemm_table(cfg: TrainConfig, repeats: int) -> list[str]:
     return rows
 
 
-class RandomTokens:
-    """The trainer's loader interface over random tokens: each rank its own two sequences."""
-
-    def __init__(self, cfg: TrainConfig, rank: int):
-        self.cfg, self.rank = cfg, rank
-
-    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        gen = torch.Generator().manual_seed(step * 100 + self.rank)
-        tokens = torch.randint(0, self.cfg.model.vocab_size, (self.cfg.batch_size, self.cfg.seq_len + 1), generator=gen)
-        return [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(self.cfg.batch_size)]
-
-
 def gather_bench(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
     trainers = {}
     for on in (False, True):
@@ -109,14 +97,7 @@ def gather_bench(rank: int, world: int, model: str, seq: int, rounds: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="model=tiny, seq 64, 2 rounds")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.model, opts.seq, opts.rounds = "tiny", 64, 2
+    opts = step_bench_options(__doc__)
     cfg = bench_config(opts.model, opts.seq, use_fp8=True)
     validate(cfg, WORLD)
     assert all(size % 16 == 0 for _, size in fp8_gemm_sizes(cfg))
