@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA machine (no network needed), in one go, within 8 minutes on one GPU:
+#   1. the GPU-marked tests (tests/gpu: CUDA fp8 GEMMs, allocator snapshots);
+#   2. model=small for 20 steps in bf16, in-tree fp8 and (where TransformerEngine is importable) TE fp8:
+#      a table of their losses side by side, then each run's median TFLOP/s and MFU.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]
+#
+# Exit code 1 on any failure, or without a CUDA device.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-dump/gpu_check}
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=python3
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device on this machine" >&2
+  exit 1
+fi
+mkdir -p "$OUT"
+status=0
+timeout 240 "$PY" -m pytest -q -m gpu tests/gpu || status=1
+
+runs=(bf16 fp8)
+train() {  # name, overrides...
+  local name=$1; shift
+  rm -rf "${OUT:?}/$name"
+  if ! timeout 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train.py dump_dir="$OUT/$name" \
+      model=small seq_len=1024 batch_size=8 microbatch_size=4 steps=20 log_all_steps=true compute_dtype=bf16 \
+      enable_deterministic_training=true "$@" > "$OUT/$name.log" 2>&1; then
+    echo "gpu_check: $name FAILED (see $OUT/$name.log)" >&2
+    status=1
+  fi
+}
+train bf16
+train fp8 model.use_fp8=true
+if "$PY" -c "import transformer_engine" 2>/dev/null; then
+  runs+=(te_fp8)
+  train te_fp8 model.use_fp8=true model.use_te_layers=true
+else
+  echo "TransformerEngine: not installed (pip install -e '.[te]' on this machine), TE fp8 left out"
+fi
+
+"$PY" - "$OUT" "${runs[@]}" <<'PY' || status=1
+import json, statistics, sys
+from pathlib import Path
+
+out, runs = Path(sys.argv[1]), sys.argv[2:]
+records = {}
+for run in runs:
+    path = out / run / "metrics.jsonl"
+    records[run] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+steps = sorted({r["step"] for rs in records.values() for r in rs})
+print("| step | " + " | ".join(f"{r} loss" for r in runs) + " |")
+print("|---:|" + "---:|" * len(runs))
+for step in steps:
+    cells = []
+    for run in runs:
+        loss = next((r["loss"] for r in records[run] if r["step"] == step), None)
+        cells.append("-" if loss is None else f"{loss:.4f}")
+    print(f"| {step} | " + " | ".join(cells) + " |")
+print("\n| run | TFLOP/s (median, steps 3+) | MFU | step s |\n|---|---:|---:|---:|")
+medians = {}
+for run in runs:
+    rs = [r for r in records[run] if r["step"] >= 3]
+    if not rs:
+        print(f"| {run} | - | - | - |")
+        continue
+    tflops = statistics.median(r["tflops"] for r in rs)
+    mfu = [r["mfu"] for r in rs if r["mfu"] is not None]
+    medians[run] = statistics.median(r["step_time_s"] for r in rs)
+    print(f"| {run} | {tflops:.1f} | {'%.1f%%' % (100 * statistics.median(mfu)) if mfu else 'n/a'} | {medians[run]:.3f} |")
+if "bf16" in medians:
+    for run in runs[1:]:
+        if run in medians:
+            print(f"{run} step time / bf16: {medians[run] / medians['bf16']:.2f}")
+final = {run: records[run][-1]["loss"] for run in runs if records[run]}
+if len(final) != len(runs):
+    sys.exit("gpu_check: a run logged nothing")
+for run in runs[1:]:
+    if abs(final[run] - final["bf16"]) > 0.05 * abs(final["bf16"]):
+        sys.exit(f"gpu_check: {run} loss at step 20 is {final[run]:.4f}, more than 5% from bf16's {final['bf16']:.4f}")
+PY
+exit $status
