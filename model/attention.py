@@ -1,8 +1,8 @@
 """Grouped-query causal self-attention with rotary position embeddings.
 
 RoPE uses the rotate-half layout (pairs i and i + head_dim/2), so checkpoints map one-to-one onto
-Hugging Face's Llama weights without permuting the q/k rows. Positions are explicit so context parallelism
-can pass each rank's global token positions.
+Hugging Face's Llama weights without permuting the q/k rows. Positions are explicit: under context
+parallelism they are each rank's global token positions.
 """
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.fp8 import Fp8Gemm
+from parallel.context_parallel import CPContext, context_parallel_attention
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 
 
@@ -63,13 +64,17 @@ def block_gemm(args: ModelArgs) -> Fp8Gemm | None:
 
 
 class AttentionCore(nn.Module):
-    """softmax(q k^T) v as a module of its own, so selective checkpointing can recompute just this."""
+    """softmax(q k^T) v as a module of its own, so selective checkpointing can recompute just this.
+    Under context parallelism the queries are this rank's share of the sequence and the keys come
+    from every CP rank (parallel/context_parallel.py)."""
 
-    def __init__(self, impl: str):
+    def __init__(self, impl: str, cp: CPContext):
         super().__init__()
-        self.impl = impl
+        self.impl, self.cp = impl, cp
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.cp)
         return causal_attention(q, k, v, self.impl)
 
 
@@ -77,10 +82,10 @@ class Attention(nn.Module):
     """One fused column-parallel q/k/v projection (each TP rank owns whole heads: n_heads/tp query
     heads and the n_kv_heads/tp KV heads they share), row-parallel output projection."""
 
-    def __init__(self, args: ModelArgs, tp: TPContext):
+    def __init__(self, args: ModelArgs, tp: TPContext, cp: CPContext):
         super().__init__()
         self.tp, self.head_dim = tp, args.head_dim
-        self.core = AttentionCore(args.efficient_attn)
+        self.core = AttentionCore(args.efficient_attn, cp)
         kv = args.n_kv_heads * args.head_dim
         self.wqkv = ColumnParallelLinear(args.dim, (args.n_heads * args.head_dim, kv, kv), tp, block_gemm(args))
         self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp, block_gemm(args))

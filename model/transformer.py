@@ -9,6 +9,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.attention import Attention, RotaryEmbedding, block_gemm
+from parallel.context_parallel import CPContext
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
 
@@ -43,11 +44,11 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block; under sequence parallelism the norms and residual adds see 1/tp of the tokens."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext):
+    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, tp)
+        self.attention = Attention(args, tp, cp or CPContext())
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args, tp)
 
@@ -76,24 +77,25 @@ class Transformer(nn.Module):
 
     def __init__(
         self, args: ModelArgs, tp: TPContext | None = None, layers: range | None = None,
-        embedding: bool = True, head: bool = True,
+        embedding: bool = True, head: bool = True, cp: CPContext | None = None,
     ):
         super().__init__()
         self.args = args
-        self.tp = tp or TPContext()
+        self.tp, self.cp = tp or TPContext(), cp or CPContext()
         layers = range(args.n_layers) if layers is None else layers
         self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp) if embedding else None
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp) for i in layers})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp, self.cp) for i in layers})
         self.head = OutputHead(args, self.tp) if head else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (or, past the first chunk, hidden states [batch, seq or seq/tp under SP,
-        dim]) -> logits [batch, seq, vocab/tp] (or hidden states, before the last chunk)."""
+        dim]) -> logits [batch, seq, vocab/tp] (or hidden states, before the last chunk). Under context
+        parallelism seq is this CP rank's share and positions default to its tokens' global ones."""
         h = x if self.tok_embeddings is None else self.tok_embeddings(x)
         if positions is None:
             seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
-            positions = torch.arange(seq, device=x.device)
+            positions = self.cp.positions(seq, x.device)
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

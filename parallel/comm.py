@@ -43,6 +43,15 @@ def forget_groups() -> None:
     _group_names.clear()
 
 
+def size_of(group: ProcessGroup | None) -> int:
+    """A group's size; no group means this process alone."""
+    return 1 if group is None else group.size()
+
+
+def rank_in(group: ProcessGroup | None) -> int:
+    return 0 if group is None else group.rank()
+
+
 def group_name(group: ProcessGroup | None) -> str:
     if group is None:
         return "world"

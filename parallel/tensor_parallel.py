@@ -114,8 +114,8 @@ class TPContext:
     def __init__(self, group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  size: int | None = None, rank: int | None = None):
         self.group = group
-        self.size = size if size is not None else (1 if group is None else group.size())
-        self.rank = rank if rank is not None else (0 if group is None else group.rank())
+        self.size = size if size is not None else comm.size_of(group)
+        self.rank = rank if rank is not None else comm.rank_in(group)
         self.sequence_parallel = sequence_parallel and self.size > 1
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:

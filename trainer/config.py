@@ -153,7 +153,6 @@ ENUMS = {
 
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
-    ("context_parallel_size", 1),
     ("model.attn_bias_type", "causal"),
     ("model.use_te_layers", False),
     # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.

@@ -84,7 +84,7 @@ class Trainer:
         tp = self.chunks[-1].tp
         first_or_last = self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
         for batch in range(self.cfg.eval.steps):
-            microbatches = self.eval_loader.batch(batch) if first_or_last else []
+            microbatches = self._cp_shards(self.eval_loader.batch(batch)) if first_or_last else []
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
@@ -101,13 +101,18 @@ class Trainer:
             comm.all_reduce(loss_sum, loss_group)
         return loss_sum.item() / (self.global_tokens * self.cfg.eval.steps)
 
+    def _cp_shards(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This CP rank's share of each sequence (tokens and targets alike), cut once per step."""
+        cp = self.chunks[0].cp
+        return [(cp.shard(tokens), cp.shard(targets)) for tokens, targets in microbatches]
+
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         dims = self.mesh.dims
         pp_rank = self.mesh.rank_in("pp")
         # Only the first stage reads the inputs and only the last the targets.
-        microbatches = self.loader.batch(step - 1) if pp_rank in (0, dims.pp - 1) else []
+        microbatches = self._cp_shards(self.loader.batch(step - 1)) if pp_rank in (0, dims.pp - 1) else []
         tp = self.chunks[-1].tp
 
         def inputs(mb: int) -> torch.Tensor:

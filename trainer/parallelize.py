@@ -11,6 +11,7 @@ from model.fp8 import initial_buffer
 from model.init import local_init_value
 from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
+from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.schedule import chunk_layers
@@ -27,7 +28,7 @@ def fsdp_unit_names(model: Transformer) -> list[str]:
     return [*embedding, *(f"layers.{i}" for i in model.layers), *head]
 
 
-def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int) -> list[Transformer]:
+def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | None = None) -> list[Transformer]:
     """This pipeline rank's model chunks, on the meta device (parallelize() gives each FSDP unit its
     initial values as it shards it). Parameter names are those of the whole model, so every layout
     initializes and checkpoints the same parameters under the same names."""
@@ -36,7 +37,7 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int) -> list[Transfor
         return [
             Transformer(
                 cfg.model_args(), tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
-                embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1,
+                embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1, cp=cp,
             )
             for chunk in range(vpp)
         ]
@@ -53,6 +54,10 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
     """Built before the model: TP decides the local parameter shapes."""
     return TPContext(mesh.group("tp"), cfg.model.sequence_parallel)
+
+
+def cp_context(cfg: TrainConfig, mesh: ParallelMesh) -> CPContext:
+    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm)
 
 
 def parallelize(

@@ -30,7 +30,7 @@ from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
-from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, parallelize, tp_context
+from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, cp_context, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
 from trainer.resume import resume
@@ -58,12 +58,12 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def build_runtime(
     cfg: TrainConfig, mesh: ParallelMesh, chunks: list, roots: list, dtype: torch.dtype, device: torch.device
 ) -> PipelineRuntime:
-    """This rank's program of the step; stages exchange [microbatch, seq (/tp under SP), dim] tensors."""
+    """This rank's program of the step; stages exchange [microbatch, seq / cp (/tp under SP), dim] tensors."""
     pp_rank = mesh.rank_in("pp")
     program = schedule_actions(
         cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches, pp_rank
     )
-    seq = cfg.seq_len // (cfg.model_parallel_size if cfg.model.sequence_parallel else 1)
+    seq = cfg.seq_len // cfg.context_parallel_size // (cfg.model_parallel_size if cfg.model.sequence_parallel else 1)
     shape = (cfg.microbatch_size, seq, cfg.model.dim)
     return PipelineRuntime(program, cfg.pipeline_parallel_size, chunks, roots, mesh.group("pp"), shape, dtype, device)
 
@@ -141,7 +141,7 @@ def build_trainer(
 ) -> Trainer:
     """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
     dtype = compute_dtype(cfg, device)
-    chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"))
+    chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh))
     roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]
     return Trainer(
         cfg, mesh, chunks, roots, build_runtime(cfg, mesh, chunks, roots, dtype, device), NamedAdamW(chunks, cfg.optim),

@@ -108,6 +108,9 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
         _divisible("seq_len", cfg.seq_len, "model_parallel_size (model.sequence_parallel=true)", tp)
     if cfg.context_parallel_size > 1:
         _divisible("seq_len", cfg.seq_len, "2 x context_parallel_size", 2 * cfg.context_parallel_size)
+        if m.sequence_parallel:
+            _divisible("seq_len / context_parallel_size", cfg.seq_len // cfg.context_parallel_size,
+                       "model_parallel_size (model.sequence_parallel=true)", tp)
     _divisible("model.n_layers", m.n_layers, "pipeline_parallel_size", cfg.pipeline_parallel_size)
     if cfg.num_layers_per_virtual_pipeline_stage is not None:
         stage_layers = cfg.pipeline_parallel_size * cfg.num_layers_per_virtual_pipeline_stage

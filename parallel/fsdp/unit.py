@@ -48,11 +48,11 @@ class TPGroups:
 
     @property
     def size(self) -> int:
-        return 1 if self.group is None else self.group.size()
+        return comm.size_of(self.group)
 
     @property
     def rank(self) -> int:
-        return 0 if self.group is None else self.group.rank()
+        return comm.rank_in(self.group)
 
 
 @dataclass(frozen=True)

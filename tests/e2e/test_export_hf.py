@@ -41,8 +41,9 @@ def _our_model(ckpt: Path) -> Transformer:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
 @pytest.mark.parametrize(
     "nproc, layout",
-    [(0, ()), (2, ("model_parallel_size=2", "model.sequence_parallel=true")), (2, ("pipeline_parallel_size=2",))],
-    ids=["single", "tp2", "pp2"],
+    [(0, ()), (2, ("model_parallel_size=2", "model.sequence_parallel=true")), (2, ("pipeline_parallel_size=2",)),
+     (2, ("context_parallel_size=2", "context_parallel_comm=ring"))],
+    ids=["single", "tp2", "pp2", "cp2"],
 )
 def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: tuple[str, ...]) -> None:
     """The tp2 case gathers the full weights from TP-sharded (and FSDP-sharded) flat checkpoints."""

@@ -63,6 +63,11 @@ def test_llama3_8b_dimensions():
         (["optim.beta2=1.0"], 1, "optim.beta2=1.0 must be in [0, 1)"),
         (["model.ffn_dim_multiplier=0"], 1, "model.ffn_dim_multiplier=0.0 must be > 0 (or null)"),
         (["seq_len=30", "context_parallel_size=2"], 2, "seq_len=30 is not divisible by 2 x context_parallel_size=4"),
+        (["context_parallel_size=3", "seq_len=126"], 4,
+         "world size 4 is not divisible by model_parallel_size=1 x pipeline_parallel_size=1 x context_parallel_size=3"),
+        (["context_parallel_size=2", "model_parallel_size=4", "model.n_kv_heads=4", "model.sequence_parallel=true",
+          "seq_len=36"], 8, "seq_len / context_parallel_size=18 is not divisible by model_parallel_size (model.sequence_parallel=true)=4"),
+        (["context_parallel_comm=ulysses"], 1, "context_parallel_comm=ulysses is not one of: all_gather | ring"),
         (["model.n_layers=6", "pipeline_parallel_size=4"], 4, "model.n_layers=6 is not divisible by pipeline_parallel_size=4"),
         (["model.n_layers=6", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=2"], 2,
          "model.n_layers=6 is not divisible by pipeline_parallel_size x num_layers_per_virtual_pipeline_stage=4"),
@@ -92,7 +97,6 @@ def test_rule_violations_are_one_line(overrides, world, message):
 
 
 UNBUILT_VALUES = {
-    "context_parallel_size": "2",
     "model.attn_bias_type": "block_causal",
     "optim.use_fp32_copy_optim": "false",
 }
