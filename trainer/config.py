@@ -113,6 +113,7 @@ class TrainConfig:
     dump_profile_traces: bool = False
     profile_with_stack: bool = False
     mem_snapshot_stop_step: int | None = None
+    stop_signal: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -91,7 +91,7 @@ class MetricsLog:
         self.is_writer = is_writer
         self.total_steps = total_steps
         self.path = dump_dir / METRICS_FILE
-        self._step_times: list[float] = []
+        self._logged: list[tuple[int, float, float]] = []  # (step, wall_time, step_time_s) of recent logs
         if is_writer:
             self._continue_after(start_step)
 
@@ -112,16 +112,23 @@ class MetricsLog:
         print(f"notice: {METRICS_FILE}: moved {what} to {SUPERSEDED_FILE}", file=sys.stderr, flush=True)
 
     def log(self, m: StepMetrics) -> None:
-        self._step_times.append(m.step_time_s)
+        self._logged = [*self._logged[-10:], (m.step, m.wall_time, m.step_time_s)]
         if not self.is_writer:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(m.record(), allow_nan=False) + "\n")
         print(self.human_line(m), file=sys.stdout, flush=True)
 
+    def seconds_per_step(self) -> float:
+        """Wall time per step between recent logged steps: checkpoint saves and evaluations included,
+        so the ETA stays right across them (a lone first record falls back to its step time)."""
+        (first_step, first_time, first_step_s), (last_step, last_time, _) = self._logged[0], self._logged[-1]
+        if last_step == first_step:
+            return first_step_s
+        return (last_time - first_time) / (last_step - first_step)
+
     def human_line(self, m: StepMetrics) -> str:
-        recent = self._step_times[-10:]
-        eta_s = int(sum(recent) / len(recent) * (self.total_steps - m.step))
+        eta_s = int(self.seconds_per_step() * (self.total_steps - m.step))
         mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}% ({100 * m.mfu_compute:.1f}% computing)"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.wall_time))
         return (

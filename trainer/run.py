@@ -30,6 +30,7 @@ from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog
 from trainer.optimizer import NamedAdamW
+from trainer.preemption import StopOnSignal
 from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, cp_context, parallelize, tp_context
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
@@ -186,6 +187,7 @@ def _fit(
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
+    stop = StopOnSignal(cfg.stop_signal, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
     for step in range(start_step + 1, cfg.steps + 1):
         with profiler.step(step), memory.recording(step):
             m = trainer.train_step(step)
@@ -197,10 +199,16 @@ def _fit(
             metrics.log(m)
             if tensorboard is not None:
                 tensorboard.log(m)
-        if cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0:
+        stopping = stop.agreed() and step < cfg.steps
+        if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
             path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)
             if rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
             log(f"saved checkpoint {path}")
+        if stopping:
+            if rank == 0:
+                stop.record(step)
+            log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
+            break
     if tensorboard is not None:
         tensorboard.close()

@@ -30,6 +30,8 @@ _NON_NEGATIVE = (
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
                       "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
+# Signals a scheduler sends before a time limit or preemption (SIGINT and SIGTERM stay torchrun's).
+STOP_SIGNALS = ("USR1", "USR2", "HUP")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -69,6 +71,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
     for key in ("dump_profile_traces", "profile_with_stack"):
         if get_key(cfg, key) and not cfg.profile_freq:
             raise ConfigError(f"{key}=true needs profile_freq > 0 (which steps to profile)")
+    if cfg.stop_signal is not None and cfg.stop_signal not in STOP_SIGNALS:
+        raise ConfigError(f"stop_signal={cfg.stop_signal} is not one of: {' | '.join(STOP_SIGNALS)} (or null)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
 

@@ -1,0 +1,52 @@
+"""The one torchrun command line every launcher uses (the Slurm batch script, submitit, TorchX).
+
+    python scripts/launch_command.py --nnodes N --nproc-per-node P --rdzv-endpoint HOST:PORT \
+        --rdzv-id ID [--dump-dir DIR] -- [hydra overrides]
+
+prints it shell-quoted. Overrides pass through unchanged; a default `dump_dir` and `stop_signal=USR1`
+(checkpoint and exit on Slurm's warning signal) are added unless the overrides set them.
+"""
+
+import argparse
+import shlex
+import sys
+
+DEFAULT_STOP_SIGNAL = "USR1"
+
+
+def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
+                  dump_dir: str | None = None, python: str = "python") -> list[str]:
+    """argv of torchrun on one node, running train.py with the overrides."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
+    extra += [] if "stop_signal" in given else [f"stop_signal={DEFAULT_STOP_SIGNAL}"]
+    return [
+        python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
+        "train.py", *extra, *overrides,
+    ]
+
+
+def dump_dir_of(overrides: list[str], default: str) -> str:
+    """Where the run writes: the last dump_dir= override, else `default`."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith("dump_dir=")]
+    return values[-1] if values else default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nnodes", type=int, required=True)
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--rdzv-endpoint", required=True)
+    parser.add_argument("--rdzv-id", required=True)
+    parser.add_argument("--dump-dir")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("overrides", nargs="*")
+    opts = parser.parse_args()
+    argv = torchrun_args(opts.nnodes, opts.nproc_per_node, opts.rdzv_endpoint, opts.rdzv_id, opts.overrides,
+                         opts.dump_dir, opts.python)
+    print(shlex.join(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The launchers on a real one-node Slurm cluster (slurmctld, slurmd, munge; installed if missing): the
+batch script trains and the loss falls; a job told to stop with SIGUSR1 checkpoints, requeues itself and
+resumes bitwise; submitit submits the same command and returns. Daemons are stopped by pid."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.launch import DATA_CACHE, ENV, REPO, losses, metrics, train_ok
+from tests.e2e.slurm_cluster import SlurmCluster, install_reason
+
+pytestmark = pytest.mark.slurm
+TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", f"data.cache_dir={DATA_CACHE}")
+JOB_ENV = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = install_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        slurm.start()
+        yield slurm
+    finally:
+        slurm.stop()
+
+
+def _sbatch(cluster: SlurmCluster, out, overrides: tuple[str, ...]) -> str:
+    """Submit the batch script; returns the job id."""
+    done = cluster.run("sbatch", "--parsable", f"--output={out}", "--time=5", "scripts/slurm/train.sbatch",
+                       *overrides, cwd=REPO, env=JOB_ENV, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _wait_until_gone(cluster: SlurmCluster, job: str, out, timeout: float = 120) -> None:
+    """Poll (sbatch --wait backs off to tens of seconds between checks)."""
+    deadline = time.monotonic() + timeout
+    while cluster.job_state(job) != "":
+        assert time.monotonic() < deadline, out.read_text()[-3000:] if out.exists() else "no job output"
+        time.sleep(0.5)
+
+
+def test_batch_script_trains(cluster, tmp_path):
+    dump = tmp_path / "run"
+    out = tmp_path / "job.out"
+    _wait_until_gone(cluster, _sbatch(cluster, out, (*TINY, "steps=20", f"dump_dir={dump}")), out)
+    assert (dump / "metrics.jsonl").exists(), out.read_text()[-3000:]
+    records = losses(metrics(dump))
+    assert sorted(records) == list(range(1, 21)) and records[20] < records[1] - 0.3
+
+
+def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(cluster, tmp_path):
+    straight = losses(train_ok(2, tmp_path / "straight", *TINY, "steps=60"))
+    dump = tmp_path / "run"
+    job = _sbatch(cluster, tmp_path / "job.out", (*TINY, "steps=60", f"dump_dir={dump}"))
+    deadline = time.monotonic() + 120
+    while not (dump / "metrics.jsonl").exists() or len(metrics(dump)) < 5:
+        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()[-3000:]
+        time.sleep(0.2)
+    cluster.run("scancel", "--signal=USR1", job)
+    released = False
+
+    def finished() -> bool:
+        return cluster.job_state(job) == "" and metrics(dump)[-1]["step"] == 60
+
+    while not finished():  # stopped, requeued, run again to the end
+        assert time.monotonic() < deadline + 60, (tmp_path / "job.out").read_text()[-3000:]
+        if not released and cluster.run("squeue", "-h", "-j", job, "-o", "%T %r").stdout.strip() == "PENDING BeginTime":
+            # Slurm holds a requeued job back for two minutes before it may start again: start it in a few
+            # seconds (not at once: the old run's revoked job credential must be older than the new one).
+            released = cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+3").returncode == 0
+        time.sleep(0.5)
+    log = (tmp_path / "job.out").read_text()
+    assert "requeueing job" in log, log[-3000:]
+    stopped = json.loads((dump / "stopped.json").read_text()) if (dump / "stopped.json").exists() else None
+    assert stopped is None  # the requeued job finished and removed it
+    checkpoints = sorted(p.name for p in (dump / "checkpoints").iterdir())
+    assert checkpoints and all(name.startswith("step_") for name in checkpoints), checkpoints
+    resumed = losses(metrics(dump))
+    assert sorted(resumed) == list(range(1, 61))
+    assert resumed == straight
+
+
+def test_submitit_launcher_submits_and_returns(cluster, tmp_path):
+    dump = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "scripts/launch.py", "--nodes", "1", "--nproc-per-node", "2", "--time", "5", "--wait",
+         "--logs", str(tmp_path / "logs"), *TINY, "steps=5", f"dump_dir={dump}"],
+        cwd=REPO, env={**ENV, **cluster.env, **JOB_ENV}, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "submitted job" in done.stdout and f"dump folder {dump}" in done.stdout
+    assert sorted(losses(metrics(dump))) == [1, 2, 3, 4, 5]

@@ -1,0 +1,38 @@
+"""stop_signal=USR1 without a scheduler: the signal reaching ONE worker stops every rank after the same
+step with a checkpoint of it; the same command then resumes and ends bitwise like an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from tests.e2e.launch import losses, metrics, start, train_ok
+
+RUN = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "steps=40", "stop_signal=USR1")
+
+
+def _worker_pids(dump_dir) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"train.py dump_dir={dump_dir}"], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_signal_to_one_worker_stops_all_with_a_checkpoint_then_resumes_bitwise(tmp_path):
+    straight = losses(train_ok(2, tmp_path / "straight", *RUN))
+    dump = tmp_path / "run"
+    job = start(2, dump, *RUN)
+    deadline = time.monotonic() + 120
+    while not (dump / "metrics.jsonl").exists() or len(metrics(dump)) < 3:
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.1)
+    workers = [pid for pid in _worker_pids(dump) if pid != job.pid]
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGUSR1)  # one rank only
+    assert job.wait(timeout=120) == 0
+    stopped = json.loads((dump / "stopped.json").read_text())
+    assert stopped["signal"] == "SIGUSR1" and stopped["step"] < 40
+    assert (dump / "checkpoints" / f"step_{stopped['step']}" / "manifest.json").is_file()
+    assert max(losses(metrics(dump))) == stopped["step"]
+    train_ok(2, dump, *RUN)  # the same command resumes
+    assert not (dump / "stopped.json").exists()
+    assert losses(metrics(dump)) == straight

@@ -1,0 +1,51 @@
+"""The documentation ships with the project and keeps up with it: every config key is in the reference,
+and nothing in the repository points outside it."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = {"model": "model", "data": "data", "optim": "optim", "checkpoint": "checkpoint"}
+
+
+def _flat(prefix: str, node: dict) -> list[str]:
+    keys = []
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        keys += _flat(f"{name}.", value) if isinstance(value, dict) else [name]
+    return keys
+
+
+def config_keys() -> set[str]:
+    top = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    keys = set(_flat("", {k: v for k, v in top.items() if k not in ("defaults", "hydra")}))
+    for folder, prefix in GROUPS.items():
+        for file in (REPO / "conf" / folder).glob("*.yaml"):
+            keys |= set(_flat(f"{prefix}.", yaml.safe_load(file.read_text())))
+    return keys
+
+
+def test_every_config_key_is_in_the_reference():
+    reference = (REPO / "docs" / "config.md").read_text()
+    missing = sorted(key for key in config_keys() if f"`{key}`" not in reference)
+    assert not missing, f"docs/config.md lacks {missing}"
+
+
+def test_nothing_points_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    outside = re.compile(r"\.\./shared|shared/DESIGN|DESIGN\.md")
+    for name in files:
+        path = REPO / name
+        if path.suffix not in (".py", ".md", ".sh", ".yaml", ".toml", ".sbatch", ".txt", "") or not path.is_file():
+            continue
+        text = path.read_text(errors="ignore")
+        if name == "tests/unit/test_docs.py":
+            continue
+        assert not outside.search(text), f"{name} refers to a file outside the repository"
+        if path.suffix == ".md":  # relative links must resolve inside the repository
+            for target in re.findall(r"\]\(([^)#:]+)\)", text):
+                resolved = (path.parent / target).resolve()
+                assert resolved.is_relative_to(REPO) and resolved.exists(), f"{name} links to {target}"

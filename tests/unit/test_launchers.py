@@ -1,0 +1,50 @@
+"""The launchers build one command: the TorchX component's AppDef runs exactly the torchrun line of the
+Slurm batch script for the same overrides (the script run with stand-ins for srun and scontrol)."""
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from tests.e2e.launch import REPO
+
+OVERRIDES = ["model=tiny", "steps=7", "optim.lr=1e-3", "data.source=/data/my corpus"]
+
+
+def _sbatch_command(tmp_path, overrides: list[str]) -> list[str]:
+    """What train.sbatch hands to srun, on a fake 2-node job 1234."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node7\\nnode8\\n"\n')
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "8"}
+    done = subprocess.run(["bash", "scripts/slurm/train.sbatch", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    script = (tmp_path / "srun_command").read_text()
+    prefix = "trap '' USR1; exec "
+    assert script.startswith(prefix), script
+    return shlex.split(script[len(prefix):])
+
+
+def test_torchx_component_runs_the_sbatch_command(tmp_path):
+    pytest.importorskip("torchx")
+    from scripts.torchx_components import train
+
+    command = _sbatch_command(tmp_path, OVERRIDES)
+    assert command[1:4] == ["-m", "torch.distributed.run", "--nnodes=2"]
+    assert "--rdzv_endpoint=node7:29734" in command and "--rdzv_id=1234" in command
+    assert command[-5:] == ["stop_signal=USR1", *OVERRIDES]  # overrides pass through, spaces and all
+    app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:29734", rdzv_id="1234",
+                python=command[0], dump_dir="dump/slurm-1234")
+    (role,) = app.roles
+    assert [role.entrypoint, *role.args] == command and role.num_replicas == 2
+
+
+def test_batch_script_keeps_a_given_dump_dir(tmp_path):
+    command = _sbatch_command(tmp_path, ["dump_dir=/shared/run7", "model=tiny"])
+    assert [a for a in command if a.startswith("dump_dir=")] == ["dump_dir=/shared/run7"]
