@@ -7,6 +7,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed import DistBackendError
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel.errors import ConfigError
 from parallel.mesh import LaunchEnv
@@ -33,11 +35,32 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
 def main(raw: DictConfig) -> None:
     launch = LaunchEnv.from_torchrun()
     try:
+        train_or_exit(raw, launch)
+    except Exception as e:
+        # A failure of this rank alone (torchrun stops the others): one line with its rank; the traceback
+        # is in torchrun's failure summary, from the error file @record wrote. A collective broken by a
+        # peer that died first is only the echo of that failure: torchrun stops this rank while it waits.
+        if lost_a_peer(e):
+            time.sleep(RANK0_FIRST_S)
+        print(f"error: rank {launch.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def lost_a_peer(e: Exception) -> bool:
+    """A communication error because another rank went away (gloo's and NCCL's wordings)."""
+    text = str(e)
+    return isinstance(e, DistBackendError) or "remote worker" in text or "Connection closed by peer" in text
+
+
+@record
+def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
+    """Train; expected failures exit with one line (SystemExit passes @record by), anything else
+    escapes and @record writes it, traceback and all, to the error file torchrun names."""
+    try:
         values = OmegaConf.to_container(raw, resolve=True)
         sweep_job_dump_dir(values, launch)
         cfg = from_dict(values)
-        dims = validate(cfg, launch.world_size)
-        run(cfg, launch, dims)
+        run(cfg, launch, validate(cfg, launch.world_size))
     except (ConfigError, FloatingPointError) as e:
         # Ranks see the same bad input (or the same reduced gradient norm); one line from rank 0 is the
         # message, every rank exits non-zero. The others leave a moment later: torchrun stops the whole

@@ -11,16 +11,10 @@ so a corrupt or hostile checkpoint is an error line, not arbitrary code.
 import hashlib
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel import comm
 from parallel.errors import ConfigError
@@ -31,6 +25,13 @@ _STEP_PREFIX = "step_"
 
 class CheckpointError(ConfigError):
     """A checkpoint that is corrupt, truncated or does not match the run."""
+
+
+def _dcp_io():
+    """torch.distributed.checkpoint costs ~0.7 s of imports per process: only when a checkpoint is used."""
+    from trainer import dcp_io
+
+    return dcp_io
 
 
 def checkpoint_step(path: Path) -> int:
@@ -66,7 +67,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier(group)
-    dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=group)
+    _dcp_io().save_state(state, tmp, group)
     mine = {p.name: _file_entry(p) for p in tmp.glob(f"__{rank}_*")}
     entries = comm.all_gather_object(mine, group)
     if rank == 0:
@@ -142,48 +143,11 @@ def _files_problem(path: Path, rank: int, world: int, checksums: bool) -> str | 
     return None
 
 
-_ALLOWED_GLOBALS = {
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-}
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata is a pickle; only DCP's metadata classes, dtypes and paths may be built from it."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        with (Path(self.path) / ".metadata").open("rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def checkpoint_keys(path: Path) -> set[str]:
     """Flattened keys stored in a checkpoint (e.g. 'trainer.step')."""
-    try:
-        return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} has unreadable metadata: {e!r}")
+    return _dcp_io().checkpoint_keys(path)
 
 
 def load_checkpoint(path: Path, state: dict, group: ProcessGroup | None) -> None:
     """Load into the tensors of `state` in place; any failure becomes one CheckpointError line."""
-    try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
-    except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
-        cause = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {cause[-1] if cause else e!r}")
+    _dcp_io().load_state(path, state, group)

@@ -17,10 +17,11 @@ from trainer.state import load_into
 
 
 def resume(
-    cfg: TrainConfig, state: dict, rng: RNGStreams, sampler: GlobalBatchSampler, fingerprint: dict,
+    cfg: TrainConfig, state: Callable[[], dict], rng: RNGStreams, sampler: GlobalBatchSampler, fingerprint: dict,
     rank: int, world: int, log: Callable[[str], None],
 ) -> int:
-    """Load the newest complete checkpoint, if any, into `state`; returns the step to continue after.
+    """Load the newest complete checkpoint, if any, into `state()` (views of the live tensors, built only
+    when there is a checkpoint); returns the step to continue after.
     Every rank reads the same files and reaches the same verdict, so all refuse together."""
     dump_dir = Path(cfg.dump_dir)
     path = latest_checkpoint(dump_dir / "checkpoints")
@@ -41,7 +42,7 @@ def resume(
                 "resuming would train nothing; raise steps, or use a new dump_dir"
             )
         check_resumable(path, fingerprint, cfg.resume.allow_changed)
-        step = load_into(path, state, rng, sampler, group)
+        step = load_into(path, state(), rng, sampler, group)
         log(f"resumed from {path} (step {step})")
     check_history(dump_dir, step)
     return step

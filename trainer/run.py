@@ -123,7 +123,8 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         cfg, DTYPE_NAMES[compute_dtype(cfg, device)], loader.sampler.global_batch_size,
         file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),
     )
-    start_step = resume(cfg, state(step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size, log)
+    start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
+                        log)
     if start_step == cfg.steps:
         log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
         return

@@ -2,6 +2,8 @@
 
 import hashlib
 import shutil
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,14 @@ def test_divergence_stops_with_one_line(tmp_path):
     assert_one_error(proc, "step 2: gradient norm is nan")
     assert proc.returncode != 0
     assert [r["step"] for r in metrics(dump)] == [1]
+
+
+def test_an_error_on_one_rank_is_one_line_with_its_rank_and_the_root_cause(tmp_path):
+    """Rank 1 alone fails (it gives up waiting for rank 0's data preparation): its line names it, the
+    job exits non-zero without hanging, and torchrun's summary carries the traceback (@record)."""
+    corpus = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a second or so of tokenizer training
+    proc = train(2, tmp_path / "dump", f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.prepare_timeout_s=0.001", "model.vocab_size=512", "seq_len=16", "steps=2", timeout=120)
+    assert_one_error(proc, "rank 1: TimeoutError", "did not finish")
+    root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
+    assert "rank      : 1" in root_cause and "in train_or_exit" in root_cause

@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (
-    MANIFEST, CheckpointError, SafeFileSystemReader, latest_checkpoint, load_checkpoint, prune_checkpoints,
-    save_checkpoint, verify_checkpoint,
+    MANIFEST, CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
+    verify_checkpoint,
 )
+from trainer.dcp_io import SafeFileSystemReader
 
 
 @pytest.fixture(scope="module")

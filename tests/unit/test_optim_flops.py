@@ -1,4 +1,4 @@
-"""LR schedule and clipping; model FLOPs against torch's own FLOP counter."""
+"""AdamW (bitwise torch.optim.AdamW), LR schedule and clipping; model FLOPs against torch's own FLOP counter."""
 
 import math
 from types import SimpleNamespace
@@ -15,7 +15,7 @@ from trainer.loop import Trainer
 from trainer.config import OptimConfig
 from trainer.flops import training_flops_per_token
 from trainer.loop import token_loss_sum
-from trainer.optimizer import clip_grads, lr_at
+from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
 
 def test_lr_warmup_then_cosine_to_min():
@@ -69,3 +69,28 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
     assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
     assert m.tflops_compute == pytest.approx(m.tflops / 0.75) and m.tflops_compute >= m.tflops
     assert m.comm_wait_s == 0.25
+
+
+def test_adamw_is_torch_adamw_bitwise():
+    """Our in-tree AdamW against torch.optim.AdamW (single-tensor path) over steps with changing LR."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+    gen = torch.Generator().manual_seed(0)
+    ours_model = torch.nn.Linear(8, 4)
+    theirs = [p.detach().clone().requires_grad_() for p in ours_model.parameters()]
+    ours = NamedAdamW([ours_model], cfg)
+    reference = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, foreach=False)
+    for step in range(1, 8):
+        lr = lr_at(step, 7, cfg)
+        for p, q in zip(ours.params, theirs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ours.step(lr)
+        for group in reference.param_groups:
+            group["lr"] = lr
+        reference.step()
+        for p, q in zip(ours.params, theirs):
+            assert torch.equal(p.detach(), q.detach()), step
+    state = ours.state()["weight"]
+    assert torch.equal(state["exp_avg_sq"], reference.state[theirs[0]]["exp_avg_sq"])
+    assert state["step"].item() == 7.0

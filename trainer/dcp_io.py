@@ -1,0 +1,69 @@
+"""The torch.distributed.checkpoint half of checkpoints: write and read a state dict, and DCP's metadata
+through an allow-listed unpickler (a corrupt or hostile .metadata is an error line, not code).
+
+Importing DCP pulls in DTensor and sympy (about 0.7 s per process), so trainer/checkpoint.py imports
+this module only when a checkpoint is written or read.
+"""
+
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from trainer.checkpoint import CheckpointError
+
+
+def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:
+    dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group)
+
+
+_ALLOWED_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata is a pickle; only DCP's metadata classes, dtypes and paths may be built from it."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS or module in _ALLOWED_MODULES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with (Path(self.path) / ".metadata").open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """Flattened keys stored in a checkpoint (e.g. 'trainer.step')."""
+    try:
+        return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has unreadable metadata: {e!r}")
+
+
+def load_state(path: Path, state: dict, group: ProcessGroup | None) -> None:
+    """Load into the tensors of `state` in place; any failure becomes one CheckpointError line."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
+    except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
+        cause = str(e).strip().splitlines()
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {cause[-1] if cause else e!r}")
