@@ -114,6 +114,7 @@ class TrainConfig:
     profile_with_stack: bool = False
     mem_snapshot_stop_step: int | None = None
     stop_signal: str | None = None
+    nan_policy: str = "halt"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -148,6 +149,7 @@ ENUMS = {
     "model.layer_ckpt": ("none", "full", "selective"),
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
+    "nan_policy": ("halt", "skip"),
     "model.fp8_format": ("hybrid", "e4m3"),
     "model.fp8_amax_compute_algo": ("max", "most_recent"),
 }

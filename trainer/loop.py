@@ -25,6 +25,7 @@ from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
 from trainer.metrics import StepMetrics, peak_memory_gib
+from trainer.nonfinite import first_nonfinite_unit, halt_message
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
 
@@ -46,6 +47,7 @@ class Trainer:
     flops_per_token: float
     peak_flops: float | None
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
+    skipped_steps: int = 0  # steps whose update nan_policy=skip left out
 
     @property
     def global_tokens(self) -> int:
@@ -60,16 +62,21 @@ class Trainer:
             root.finish_gradient_sync()
         update_scaling(fp8_gemms(self.chunks), self.mesh.group("dp_cp_tp"))
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
-        if not math.isfinite(norm):  # every rank holds the same reduced norm: all stop together
-            raise FloatingPointError(f"step {step}: gradient norm is {norm}; stopping before the update")
-        clip_grads(self.optimizer.grads(), norm, self.cfg.optim.clip_grad_norm)
-        lr = lr_at(step, self.cfg.steps, self.cfg.optim)
-        self.optimizer.step(lr)
-        self.optimizer.zero_grad()
         loss_group = self.mesh.group("pp_dp_cp")
         if loss_group.size() > 1:  # the last stage's sums over its data; other stages add zero
             comm.all_reduce(loss_sum, loss_group)
         loss = loss_sum.item() / self.global_tokens
+        lr = lr_at(step, self.cfg.steps, self.cfg.optim)
+        # Every rank holds the same reduced loss and norm: all ranks take the same branch.
+        if math.isfinite(norm) and math.isfinite(loss):
+            clip_grads(self.optimizer.grads(), norm, self.cfg.optim.clip_grad_norm)
+            self.optimizer.step(lr)
+        elif self.cfg.nan_policy == "skip":
+            self.skipped_steps += 1
+        else:
+            unit = first_nonfinite_unit(self.roots, self.mesh.rank_in("pp"), self.mesh.dims.pp)
+            raise FloatingPointError(halt_message(step, loss, norm, unit))
+        self.optimizer.zero_grad()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -146,4 +153,5 @@ class Trainer:
             mfu_compute=None if self.peak_flops is None else flops_per_device * elapsed / computing_s / self.peak_flops,
             mem_peak_gib=peak_memory_gib(self.device),
             comm=comm.LEDGER.by_op(),
+            skipped_steps=self.skipped_steps,
         )

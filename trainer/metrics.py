@@ -7,6 +7,7 @@ refuses a dump_dir whose metrics no checkpoint continues.
 """
 
 import json
+import math
 import os
 import resource
 import sys
@@ -47,10 +48,13 @@ class StepMetrics:
     mem_peak_gib: float
     comm: dict[str, dict[str, int]]
     eval_loss: float | None = None  # held-out loss after this step, on evaluation steps only
+    skipped_steps: int = 0  # optimizer steps skipped so far for a NaN/Inf loss or gradient (nan_policy=skip)
     wall_time: float = field(default_factory=time.time)  # when the step ended (seconds since the epoch)
 
     def record(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "eval_loss" or v is not None}
+        """The JSON record: a NaN or Inf number becomes null (JSON has none)."""
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in self.__dict__.items() if k != "eval_loss" or v is not None}
 
 
 def _is_record(line: str) -> bool:

@@ -29,6 +29,7 @@ from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog
+from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
 from trainer.preemption import StopOnSignal
 from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, cp_context, parallelize, tp_context
@@ -202,6 +203,8 @@ def _fit(
                 tensorboard.log(m)
         stopping = stop.agreed() and step < cfg.steps
         if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
+            if not weights_finite(trainer.roots, dist.group.WORLD):
+                raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
             path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)
             if rank == 0:
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep)

@@ -1,0 +1,48 @@
+"""What a step does with a NaN or Inf loss or gradient norm (`nan_policy`), and where it came from.
+
+Every rank holds the same reduced loss and gradient norm, so all ranks take the same branch: `halt`
+(default) stops before the update with one line naming the step and the first unit (in model order)
+whose gradient is not finite; `skip` leaves the weights and optimizer state untouched for that step and
+counts it. Finding the unit costs one exchange of small messages, on the failure path only.
+"""
+
+import torch
+from torch.distributed import ProcessGroup
+
+from parallel import comm
+from parallel.fsdp import FSDPRoot
+
+
+def first_nonfinite_unit(roots: list[FSDPRoot], pp_rank: int, pp: int) -> str | None:
+    """The first unit in model order, over all ranks, whose gradient holds a NaN or Inf (every rank
+    must call this together)."""
+    mine = None
+    for chunk, root in enumerate(roots):
+        for index, unit in enumerate(root.units):
+            grad = unit.flat_param.grad
+            if grad is not None and not torch.isfinite(grad).all():
+                mine = (chunk * pp + pp_rank, index, unit.name)
+                break
+        if mine is not None:
+            break
+    found = [entry for entry in comm.all_gather_object(mine, None) if entry is not None]
+    return min(found)[2] if found else None
+
+
+def halt_message(step: int, loss: float, grad_norm: float, unit: str | None) -> str:
+    where = f"; the first non-finite gradient is in unit {unit}" if unit else ""
+    return (f"step {step}: loss {loss}, gradient norm {grad_norm}{where}; stopped before the update "
+            "(nan_policy=skip would skip such steps)")
+
+
+@torch.no_grad()
+def weights_finite(roots: list[FSDPRoot], group: ProcessGroup | None) -> bool:
+    """Whether every rank's weight shards are finite (one all-reduce): checked before a checkpoint."""
+    bad = torch.zeros(1)
+    for root in roots:
+        for unit in root.units:
+            if not torch.isfinite(unit.flat_param).all():
+                bad += 1
+    if comm.size_of(group) > 1:
+        comm.all_reduce(bad, group, label="finite weights")
+    return bad.item() == 0
