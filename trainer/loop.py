@@ -12,11 +12,12 @@ loss is the same number for every layout.
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
-from model.fp8 import discard_step_amaxes, fp8_gemms, update_scaling
+from model.fp8 import Fp8Gemm, discard_step_amaxes, fp8_gemms, update_scaling
 from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
@@ -49,6 +50,11 @@ class Trainer:
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
     skipped_steps: int = 0  # steps whose update nan_policy=skip left out
 
+    @cached_property
+    def fp8_gemms(self) -> list[Fp8Gemm]:
+        """This rank's fp8 GEMMs, in model order (found once: the model does not change)."""
+        return fp8_gemms(self.chunks)
+
     @property
     def global_tokens(self) -> int:
         return self.cfg.batch_size * self.mesh.dims.dp * self.cfg.seq_len
@@ -60,7 +66,7 @@ class Trainer:
         loss_sum = self._forward_backward(step)
         for root in self.roots:
             root.finish_gradient_sync()
-        update_scaling(fp8_gemms(self.chunks), self.mesh.group("dp_cp_tp"))
+        update_scaling(self.fp8_gemms, self.mesh.group("dp_cp_tp"))
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
         loss_group = self.mesh.group("pp_dp_cp")
         if loss_group.size() > 1:  # the last stage's sums over its data; other stages add zero
@@ -102,7 +108,7 @@ class Trainer:
             self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss)
         for root in self.roots:
             root.reshard()
-        discard_step_amaxes(fp8_gemms(self.chunks))
+        discard_step_amaxes(self.fp8_gemms)
         loss_group = self.mesh.group("pp_dp_cp")
         if loss_group.size() > 1:
             comm.all_reduce(loss_sum, loss_group)

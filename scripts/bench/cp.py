@@ -99,7 +99,7 @@ def run(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
     for round_ in range(rounds + 1):
         for name in times:
             c = configs[name][0] if name in configs else cores[name][0]
-            dist.barrier()
+            comm.barrier()
             start = time.perf_counter()
             if rank < c and name in configs:
                 block, cp = blocks[name], blocks[name].attention.core.cp
@@ -111,7 +111,7 @@ def run(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
                 cp = cores[name][1]
                 core_step(*((cp or CPContext()).shard(t, dim=2) for t in (q, k, v)), cp)
             elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            comm.all_reduce(elapsed, None, op=dist.ReduceOp.MAX)
             if round_ > 0:  # the first round warms up
                 times[name].append(elapsed.item())
     return {"time": {n: statistics.median(t) for n, t in times.items()}, "saved": saved, "kv": kv_held}
