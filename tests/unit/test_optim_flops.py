@@ -61,7 +61,7 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
     args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128)
     per_token = training_flops_per_token(args, 128)
     trainer = SimpleNamespace(global_tokens=4 * 128, flops_per_token=per_token, mesh=SimpleNamespace(
-        dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"))
+        dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"), skipped_steps=0)
     comm.LEDGER.reset()
     comm.LEDGER.wait_s = 0.25
     m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
