@@ -8,7 +8,6 @@ layout fails with one line instead of a hang.
 
 import gc
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -100,18 +99,6 @@ class ParallelMesh:
         if name in self._flat:
             return self._flat[name].get_group()
         return self.mesh.get_group(name)
-
-    def device_mesh(self, name: str) -> DeviceMesh:
-        """The 1-D device mesh of a dimension or flattened group (for DTensor state dicts)."""
-        return self._flat[name] if name in self._flat else self.mesh[name]
-
-    def shard_tp_mesh(self) -> DeviceMesh:
-        """The 2-D (dp_shard_cp, tp) mesh that FSDP state dicts live on."""
-        with warnings.catch_warnings():
-            # torch 2.13 announces that slicing a flattened dim out of the root mesh will go, and offers
-            # nothing yet for a 2-D mesh that mixes one with a plain dim; once per job, not per rank.
-            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-            return self.mesh["dp_shard_cp", "tp"]
 
     def rank_in(self, name: str) -> int:
         if name in self._flat:

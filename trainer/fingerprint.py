@@ -3,9 +3,8 @@
 Every checkpoint stores the fingerprint of the run that wrote it (`fingerprint.json`). A resume
 compares it with its own before loading anything and refuses any difference in one line naming each
 key with both values. Where a change is meaningful (the LR schedule, precisions) the user may allow it
-by name with `resume.allow_changed=[key,...]`. Layout keys (dp, pp, vpp, microbatching, resharding,
-checkpointing) are not part of it: a checkpoint reloads across those; TP is, until checkpoints reshard
-across it.
+by name with `resume.allow_changed=[key,...]`. Layout keys (tp, pp, vpp, dp, cp, microbatching,
+resharding, checkpointing) are not part of it: a checkpoint reloads under any layout.
 """
 
 import hashlib
@@ -30,7 +29,7 @@ PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad"
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
 # are resolved first. The amax history's length is its checkpointed shape: it cannot change.
 _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "model.fp8_amax_history_len", "seq_len", "seed",
-                  "model_parallel_size", "data.held_out_fraction")
+                  "data.held_out_fraction")
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
 # fp8 defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, "model.fp8_amax_history_len")} | {
@@ -40,7 +39,6 @@ ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
 _HINTS = {
     "optim.decay_steps": "where the LR decay ends: optim.decay_steps, or steps when unset; pass "
                          "optim.decay_steps={old} to continue the same schedule",
-    "model_parallel_size": "checkpoints do not reshard across tensor parallelism yet",
     "tokenizer": "data.tokenizer (or the tokenizer trained for data.source) changed",
     "data": "data.source (or its packed tokens) changed",
 }

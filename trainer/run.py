@@ -118,7 +118,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     tokenizer, loader, eval_loader = _build_data(cfg, mesh, launch.rank, log)
     trainer = build_trainer(cfg, mesh, loader, device, eval_loader)
     rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
-    state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler, mesh.shard_tp_mesh(),
+    state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler,
                     rank=launch.rank, pp=mesh.dims.pp)
     fingerprint = run_fingerprint(
         cfg, DTYPE_NAMES[compute_dtype(cfg, device)], loader.sampler.global_batch_size,

@@ -27,6 +27,7 @@ from parallel.fsdp.flat_param import (
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of
 from parallel.fsdp.grad_sync import accumulate_unsharded
+from parallel.fsdp.state_dict import TPSplit
 
 
 Materialize = Callable[[str, torch.Tensor], torch.Tensor]
@@ -85,9 +86,12 @@ class FSDPUnit:
         self.spec = FlatParamSpec.of_module(module, shard_group.size())
         owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.spec.names]
         params = [getattr(sub, attr) for sub, attr in owners]
-        # Parameters not split over TP (norm weights): their slices of the flat parameter.
+        # How each parameter is split over TP (checkpoints map shards to full parameters with it), and
+        # the flat slices of those that are not split (norm weights).
+        self.tp_splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for p in params)
         self.tp_replicated = [
-            (offset, p.numel()) for offset, p in zip(self.spec.offsets(), params) if getattr(p, "tp_dim", None) is None
+            (offset, p.numel()) for offset, p, split in zip(self.spec.offsets(), params, self.tp_splits)
+            if split.dim is None
         ]
         values = params if materialize is None else [materialize(n, p) for n, p in zip(self.spec.names, params)]
         self.flat_param = nn.Parameter(shard_of(flatten(values, self.spec), self.spec, self.rank))
