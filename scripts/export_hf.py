@@ -3,8 +3,8 @@ and tokenizer_config.json (transformers reads the tokenizer with `sentencepiece`
 
 Evaluation harnesses and inference servers read Hugging Face's layout, not DCP shards. The export runs
 as one plain process (no torchrun, no process group): the manifest is verified locally and DCP loads in
-its single-process mode. Our RoPE is rotate-half and our RMSNorm is HF's, so weights map by name (fused
-q/k/v and gate/up split into their parts): no permutation of q/k, no reshaping.
+its single-process mode. Weights map by name (model/hf.py): fused q/k/v and gate/up split into their
+parts, nothing permuted or reshaped.
 
     python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
 """
@@ -23,8 +23,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from model.args import ModelArgs  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
+from model.hf import hf_config, to_hf  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
@@ -33,66 +32,6 @@ from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-_TOP_LEVEL = {
-    "tok_embeddings.weight": ("model.embed_tokens.weight",),
-    "head.norm.weight": ("model.norm.weight",),
-    "head.output.weight": ("lm_head.weight",),
-}
-# Fused parameters map to one Hugging Face tensor per part (q/k/v, gate/up), in part order.
-_PER_LAYER = {
-    "attention.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attention.wo.weight": ("self_attn.o_proj.weight",),
-    "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "feed_forward.w2.weight": ("mlp.down_proj.weight",),
-    "attention_norm.weight": ("input_layernorm.weight",),
-    "ffn_norm.weight": ("post_attention_layernorm.weight",),
-}
-
-
-def hf_names(name: str) -> tuple[str, ...]:
-    """Our parameter name -> the Hugging Face Llama name(s) of its part(s) (KeyError if unknown)."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    prefix, index, rest = name.split(".", 2)
-    if prefix != "layers":
-        raise KeyError(name)
-    return tuple(f"model.layers.{index}.{hf}" for hf in _PER_LAYER[rest])
-
-
-def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full weights -> Hugging Face tensors, splitting fused parameters into their parts."""
-    with torch.device("meta"):
-        params = dict(Transformer(args).named_parameters())
-    out = {}
-    for name, tensor in weights.items():
-        parts = getattr(params[name], "tp_parts", None) or (tensor.shape[0],)
-        out.update(zip(hf_names(name), tensor.split(parts, dim=0)))
-    return out
-
-
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    """LlamaConfig fields; rope_theta and torch_dtype are the spellings both transformers 4 and 5 read."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "torch_dtype": _HF_DTYPE_NAMES[dtype],
-    }
 
 
 def read_train_config(ckpt: Path) -> TrainConfig:
@@ -121,7 +60,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
         weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
-    (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(args, _HF_DTYPE_NAMES[dtype], BOS_ID, EOS_ID), indent=2) + "\n")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
     shutil.copymode(out / "config.json", out / "model.safetensors")

@@ -25,6 +25,7 @@ from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import own_dump_dir
 from trainer.fingerprint import FINGERPRINT_FILE, data_fingerprint, run_fingerprint, write_fingerprint
+from trainer.hf_import import import_hf
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
@@ -126,6 +127,9 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     )
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
                         log)
+    if cfg.checkpoint.init_from_hf and start_step == 0:
+        import_hf(Path(cfg.checkpoint.init_from_hf), trainer.roots, cfg.model_args())
+        log(f"initialized the weights from {cfg.checkpoint.init_from_hf}")
     if start_step == cfg.steps:
         log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
         return

@@ -6,6 +6,7 @@ is reported as such, not as "not supported yet").
 """
 
 import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, TrainConfig, get_key
 from trainer.fingerprint import ALLOWABLE
+from trainer.hf_import import check_hf_folder
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -48,6 +50,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
         world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size, cfg.dp_replicate
     )
     _check_supported(cfg)
+    if cfg.checkpoint.init_from_hf:
+        check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
     return dims
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model.transformer import Transformer
-from scripts.export_hf import to_hf
+from model.hf import to_hf
 from tests.e2e.launch import REPO, train_ok
 from trainer.config import from_dict
 from trainer.state import load_full_weights

@@ -244,3 +244,23 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     assert job.returncode != 0
     assert stderr.count("interrupted: ") == 1, stderr[-3000:]
     assert "KeyboardInterrupt" not in stderr  # no per-rank tracebacks (torchrun's own summary remains)
+
+
+def test_resume_refuses_another_corpus_with_the_same_sequence_count(tmp_path):
+    """The same documents in reverse order: the same token and sequence counts, the same tokenizer, other
+    batches. Only the data fingerprint (a hash of the packed tokens) can tell, and it does."""
+    documents = [p.read_text() for p in sorted(Path(argparse.__file__).parent.joinpath("email").glob("*.py"))]
+    corpora = {}
+    for name, order in (("a", documents), ("b", documents[::-1])):
+        corpora[name] = tmp_path / f"{name}.jsonl"
+        corpora[name].write_text("".join(json.dumps({"text": d}) + "\n" for d in order))
+    dump, cache = tmp_path / "dump", tmp_path / "cache"
+    train_ok(0, dump, *FAST, "steps=2", "optim.decay_steps=4", "checkpoint.freq=2", f"data.source={corpora['a']}",
+             f"data.cache_dir={cache}")
+    proc = train(0, dump, *FAST, "steps=4", "optim.decay_steps=4", f"data.source={corpora['b']}",
+                 f"data.cache_dir={cache}", f"data.tokenizer={dump / 'checkpoints' / 'step_2' / 'tokenizer.model'}",
+                 timeout=120)
+    assert_one_error(proc, "would change the run", "data.source (or its packed tokens) changed")
+    assert "tokenizer" not in proc.stderr.split("would change the run")[1]
+    counts = {json.loads(p.read_text())["num_tokens"] for p in cache.glob("tokens-*/meta.json")}
+    assert len(list(cache.glob("tokens-*/meta.json"))) == 2 and len(counts) == 1, counts

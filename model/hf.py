@@ -1,0 +1,74 @@
+"""Our parameters in Hugging Face's Llama layout: names, fused parts, and config.json.
+
+Our RoPE is rotate-half and our RMSNorm is HF's, so weights map by name alone: a fused parameter
+(q/k/v, gate/up) is its HF parts stacked along dim 0, in part order; nothing is permuted or reshaped.
+Export (scripts/export_hf.py) and import (checkpoint.init_from_hf) both go through this mapping.
+"""
+
+import torch
+
+from model.args import ModelArgs
+from model.transformer import Transformer
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": ("model.embed_tokens.weight",),
+    "head.norm.weight": ("model.norm.weight",),
+    "head.output.weight": ("lm_head.weight",),
+}
+_PER_LAYER = {
+    "attention.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attention.wo.weight": ("self_attn.o_proj.weight",),
+    "feed_forward.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "feed_forward.w2.weight": ("mlp.down_proj.weight",),
+    "attention_norm.weight": ("input_layernorm.weight",),
+    "ffn_norm.weight": ("post_attention_layernorm.weight",),
+}
+# config.json field -> the ModelArgs attribute it must equal.
+CONFIG_FIELDS = {
+    "hidden_size": "dim", "intermediate_size": "ffn_hidden_dim", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
+    "vocab_size": "vocab_size", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+}
+TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")  # what a tied model ships instead of its head
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """Our parameter name -> the Hugging Face Llama name(s) of its part(s) (KeyError if unknown)."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    prefix, index, rest = name.split(".", 2)
+    if prefix != "layers":
+        raise KeyError(name)
+    return tuple(f"model.layers.{index}.{hf}" for hf in _PER_LAYER[rest])
+
+
+def part_sizes(param: torch.Tensor) -> tuple[int, ...]:
+    """Sizes along dim 0 of a full parameter's HF parts (one part unless fused)."""
+    return getattr(param, "tp_parts", None) or (param.shape[0],)
+
+
+def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full weights -> Hugging Face tensors, splitting fused parameters into their parts."""
+    with torch.device("meta"):
+        params = dict(Transformer(args).named_parameters())
+    out = {}
+    for name, tensor in weights.items():
+        out.update(zip(hf_names(name), tensor.split(part_sizes(params[name]), dim=0)))
+    return out
+
+
+def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int) -> dict:
+    """LlamaConfig fields; rope_theta and torch_dtype are the spellings both transformers 4 and 5 read."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **{field: getattr(args, attr) for field, attr in CONFIG_FIELDS.items()},
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype_name,
+    }

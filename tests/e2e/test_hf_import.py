@@ -1,0 +1,86 @@
+"""checkpoint.init_from_hf: a Llama saved by transformers starts training on tp=2 x dp=2 with exactly
+its weights (each rank reads only its boxes), gives transformers' logits, and exports back bitwise."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.transformer import Transformer
+from parallel.errors import ConfigError
+from tests.e2e.launch import REPO, train_ok
+from trainer.config import TrainConfig, from_dict
+from trainer.hf_import import check_hf_folder
+from trainer.state import load_full_weights
+
+transformers = pytest.importorskip("transformers")
+# An LR far below one ulp of any weight: the step-1 checkpoint holds the imported weights unchanged.
+FROZEN = ("model=tiny", "seq_len=64", "steps=1", "checkpoint.freq=1", "optim.lr=1e-30", "optim.warmup_steps=0")
+MAX_REL_DIFF = 1e-5  # of the logit scale; both sides fp32 eager attention
+
+
+def tiny_llama(folder: Path, shard_size: str | None = None, **overrides) -> "transformers.LlamaForCausalLM":
+    """transformers' own Llama with model=tiny's architecture (random init), saved to `folder`."""
+    args = TrainConfig().model_args()
+    config = transformers.LlamaConfig(**{
+        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": 64, "tie_word_embeddings": False, "attn_implementation": "eager"} | overrides)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
+    return model
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out |= load_file(file)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
+def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf = tiny_llama(hf_dir, shard_size="100KB")  # several shards and an index, as published models ship
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    dump = tmp_path / "run"
+    train_ok(4, dump, *FROZEN, "model_parallel_size=2", "model.sequence_parallel=true", "batch_size=2",
+             f"checkpoint.init_from_hf={hf_dir}")
+    ckpt = dump / "checkpoints" / "step_1"
+
+    cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))
+    ours = Transformer(cfg.model_args())
+    ours.load_state_dict(load_full_weights(ckpt, cfg))
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(input_ids=tokens).logits, ours.eval()(tokens)
+    rel_diff = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"hf import logits: max diff relative to the logit scale {rel_diff:.3e}")
+    assert rel_diff < MAX_REL_DIFF
+
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(ckpt), str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    original, exported = hf_tensors(hf_dir), hf_tensors(out)
+    assert original.keys() == exported.keys()
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
+def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
+    args = TrainConfig().model_args()
+    tiny_llama(tmp_path / "gqa4", num_key_value_heads=4)
+    tiny_llama(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cases = {"gqa4": "num_key_value_heads=4 vs model.n_kv_heads=2", "scaled": "only the default RoPE",
+             "missing": "no readable config.json"}
+    for name, fragment in cases.items():
+        with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")) as e:
+            check_hf_folder(tmp_path / name, args)
+        assert "checkpoint.init_from_hf=" in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,129 @@
+"""Start training from a Hugging Face Llama folder (`checkpoint.init_from_hf=PATH`).
+
+The folder holds config.json and safetensors (one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`, as published Llama-3 models ship). Its config must describe the
+configured model (each differing field is named). Each rank reads, through safetensors' lazy slices,
+only the boxes of the full parameters its FSDP shards hold (parallel/fsdp/state_dict.py), so any
+layout imports without a rank ever holding a whole model.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.args import ModelArgs
+from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names
+from parallel.errors import ConfigError
+from parallel.fsdp import FSDPRoot
+from parallel.fsdp.state_dict import Box, shard_boxes
+from parallel.fsdp.unit import FSDPUnit
+
+KEY = "checkpoint.init_from_hf"
+INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{KEY}={folder}: no readable config.json ({e.__class__.__name__}: {e})")
+
+
+# config.json fields our model has no equivalent for, and the value it implies.
+_UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+
+
+def check_hf_folder(folder: Path, args: ModelArgs) -> None:
+    """Before any process group: the folder imports into the configured model, or one error line."""
+    check_architecture(read_hf_config(folder), args, folder)
+    tensor_files(folder)
+
+
+def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
+    """One line naming every config.json field that differs from the configured model."""
+    if config.get("model_type") not in (None, "llama"):
+        raise ConfigError(f"{KEY}={folder}: model_type is {config['model_type']!r}, only 'llama' imports")
+    for field, implied in _UNSUPPORTED.items():
+        if config.get(field, implied) != implied:
+            raise ConfigError(f"{KEY}={folder}: config.json has {field}={config[field]!r}; this model supports "
+                              f"only {implied!r}")
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta (and any scaling) here
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{KEY}={folder}: config.json has rope_type={rope['rope_type']!r}; this model supports "
+                          "only the default RoPE")
+    config = {"head_dim": config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1),
+              "rope_theta": rope.get("rope_theta")} | {k: v for k, v in config.items() if v is not None}
+    differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
+              for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
+    if differ:
+        raise ConfigError(f"{KEY}={folder}: its config.json does not describe the configured model: "
+                          f"{'; '.join(differ)}")
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """{HF tensor name: the safetensors file that holds it}."""
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(f"{KEY}={folder}: neither model.safetensors nor {INDEX} is there")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+class _Reader:
+    """Slices of HF tensors, each file opened once."""
+
+    def __init__(self, folder: Path, tied: bool):
+        self.folder, self.files, self.tied = folder, tensor_files(folder), tied
+        self._open: dict[Path, object] = {}
+
+    def slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if name not in self.files and self.tied and name == TIED_HEAD[0]:
+            name = TIED_HEAD[1]
+        if name not in self.files:
+            raise ConfigError(f"{KEY}={self.folder}: tensor {name} is missing")
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_slice(name)[index]
+
+
+def _fill_box(reader: _Reader, name: str, parts: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+    """Copy a box of our full parameter from its HF part(s), stacked along dim 0."""
+    start = 0
+    for hf_name, size in zip(hf_names(name), parts):
+        lo, hi = max(box.offsets[0], start), min(box.offsets[0] + box.sizes[0], start + size)
+        if lo < hi:
+            rest = tuple(slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:]))
+            piece = reader.slice(hf_name, (slice(lo - start, hi - start), *rest))
+            view[lo - box.offsets[0] : hi - box.offsets[0]].copy_(piece)
+        start += size
+
+
+def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
+    local = unit.flat_param.detach()
+    boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
+    for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
+        full_rows = shape[0] * (unit.tp.size if split.dim == 0 else 1)
+        parts = split.parts or (full_rows,)
+        for box in boxes.get(param, []):
+            view = local[box.start : box.start + box.numel].view(box.sizes)
+            _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
+
+
+def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> None:
+    """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh)."""
+    config = read_hf_config(folder)
+    check_architecture(config, args, folder)
+    reader = _Reader(folder, tied=bool(config.get("tie_word_embeddings", False)))
+    with torch.no_grad():
+        for root in roots:
+            for unit in root.units:
+                _import_unit(reader, unit)
