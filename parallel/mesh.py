@@ -8,6 +8,7 @@ layout fails with one line instead of a hang.
 
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,8 @@ class LaunchEnv:
     local_rank: int
     world_size: int
     torchrun: bool
-    run_id: str  # torchrun's rendezvous run id: names the job (e.g. in a dump_dir's lock)
+    run_id: str  # torchrun's rendezvous run id (unique for a lone process): names the job (lock, metrics)
+    restart_count: int = 0  # how many times torchrun has restarted the worker group (--max-restarts)
 
     @classmethod
     def from_torchrun(cls) -> "LaunchEnv":
@@ -128,18 +130,29 @@ class LaunchEnv:
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
             torchrun="MASTER_ADDR" in env and "MASTER_PORT" in env,
-            run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or f"local-{os.getpid()}-{time.time_ns()}",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
 
 
 def init_process_group(launch: LaunchEnv, device: torch.device) -> None:
     """gloo on CPU, NCCL on CUDA; a lone process without torchrun gets an in-memory store."""
-    if device.type == "cuda":
-        dist.init_process_group("nccl", rank=launch.rank, world_size=launch.world_size, device_id=device)
-    elif launch.torchrun:
-        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size)
-    else:
+    if not launch.torchrun:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return
+    store = attempt_store(launch)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", store=store, rank=launch.rank, world_size=launch.world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world_size)
+
+
+def attempt_store(launch: LaunchEnv) -> dist.Store:
+    """torchrun's store, seen through a namespace of this restart attempt. The agent's store outlives a
+    worker group that torchrun restarts (--max-restarts); the new group must not read the addresses the
+    dead one published, or it connects to dead peers and fails again."""
+    store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
+    return dist.PrefixStore(f"attempt_{launch.restart_count}/", store)
 
 
 def shutdown_process_groups() -> None:

@@ -11,6 +11,7 @@ checkpoints and exits (stop_signal=USR1); the job is then requeued and resumes.
 import argparse
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def main() -> None:
     opts = parser.parse_args()
     nproc = opts.nproc_per_node or max(opts.gpus_per_node, 1)
     if opts.local:
-        argv = torchrun_args(1, nproc, "localhost:29500", "local", opts.overrides, "dump/local", sys.executable)
+        argv = torchrun_args(1, nproc, "localhost:29500", f"local-{uuid.uuid4().hex[:8]}", opts.overrides, "dump/local", sys.executable)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv, cwd=REPO).returncode)
     import submitit

@@ -22,6 +22,7 @@ from parallel.errors import ConfigError
 GIB = 1024**3
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
+JOB_FILE = "job.json"  # which job writes metrics.jsonl
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -78,16 +79,30 @@ def read_history(path: Path) -> tuple[list[str], str | None]:
     return lines, partial
 
 
-def check_history(dump_dir: Path, start_step: int) -> None:
+def check_history(dump_dir: Path, start_step: int, job: str) -> None:
     """Every rank, before anything is written: a job without a checkpoint to continue must not take
-    over an earlier run's metrics."""
+    over an earlier run's metrics. Its own are another matter: a worker group that torchrun restarted
+    (or a requeued job with the same rendezvous id) before the first checkpoint starts over, and the
+    earlier attempt's records move to the superseded file."""
     records, _ = read_history(dump_dir / METRICS_FILE)
-    if start_step == 0 and records:
+    if start_step == 0 and records and history_owner(dump_dir) != job:
         steps = [json.loads(line)["step"] for line in records]
         raise ConfigError(
             f"dump_dir={dump_dir} already holds {METRICS_FILE} of a run (steps {min(steps)}-{max(steps)}) but no "
             f"checkpoint to resume from; use a new dump_dir, or move {METRICS_FILE} away to start over"
         )
+
+
+def history_owner(dump_dir: Path) -> str | None:
+    """The job (torchrun's rendezvous run id) that wrote the dump_dir's metrics, if recorded."""
+    try:
+        return json.loads((dump_dir / JOB_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_history_owner(dump_dir: Path, job: str) -> None:
+    (dump_dir / JOB_FILE).write_text(json.dumps({"run_id": job}) + "\n")
 
 
 class MetricsLog:

@@ -18,7 +18,7 @@ from trainer.state import load_into
 
 def resume(
     cfg: TrainConfig, state: Callable[[], dict], rng: RNGStreams, sampler: GlobalBatchSampler, fingerprint: dict,
-    rank: int, world: int, log: Callable[[str], None],
+    rank: int, world: int, job: str, log: Callable[[str], None],
 ) -> int:
     """Load the newest complete checkpoint, if any, into `state()` (views of the live tensors, built only
     when there is a checkpoint); returns the step to continue after.
@@ -44,5 +44,5 @@ def resume(
         check_resumable(path, fingerprint, cfg.resume.allow_changed)
         step = load_into(path, state(), rng, sampler, group)
         log(f"resumed from {path} (step {step})")
-    check_history(dump_dir, step)
+    check_history(dump_dir, step, job)
     return step

@@ -29,7 +29,7 @@ from trainer.hf_import import import_hf
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, record_history_owner
 from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
 from trainer.preemption import StopOnSignal
@@ -126,7 +126,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),
     )
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
-                        log)
+                        launch.run_id, log)
     if cfg.checkpoint.init_from_hf and start_step == 0:
         import_hf(Path(cfg.checkpoint.init_from_hf), trainer.roots, cfg.model_args())
         log(f"initialized the weights from {cfg.checkpoint.init_from_hf}")
@@ -138,6 +138,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         write_fingerprint(dump_dir, fingerprint)
+        record_history_owner(dump_dir, launch.run_id)
     extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)

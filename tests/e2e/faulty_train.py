@@ -1,0 +1,97 @@
+"""train.py with one worker killed (SIGKILL) at a chosen point, for tests that break things on purpose.
+
+    python -m torch.distributed.run ... tests/e2e/faulty_train.py POINT:STEP:RANK [hydra overrides]
+
+POINT is where in step STEP worker RANK dies:
+  step_start   as the step begins
+  backward     at the step's first gradient reduce-scatter (inside autograd)
+  optimizer    before the optimizer update
+  save_begin   entering the checkpoint save after the step, before any shard is written
+  save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
+  save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
+The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
+runs clean. The product has no fault switches; this file patches the functions it names.
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+POINTS = ("step_start", "backward", "optimizer", "save_begin", "save_shards", "save_rename")
+
+
+def die(where: str) -> None:
+    sys.stderr.write(f"faulty_train: killing rank {os.environ.get('RANK')} at {where}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(point: str, step: int) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from parallel import comm
+    from trainer import checkpoint, dcp_io, loop, optimizer
+
+    current = {"step": 0}
+    train_step = loop.Trainer.train_step
+
+    def counting_train_step(self, s):
+        current["step"] = s
+        if point == "step_start" and s == step:
+            die(f"{point}:{step}")
+        return train_step(self, s)
+
+    loop.Trainer.train_step = counting_train_step
+    wrap = {
+        "backward": (comm, "reduce_scatter_tensor", lambda *a, **k: current["step"] == step),
+        "optimizer": (optimizer.NamedAdamW, "step", lambda *a, **k: current["step"] == step),
+        "save_begin": (dcp_io, "save_state", lambda *a, **k: current["step"] == step),
+    }
+    if point in wrap:
+        owner, name, when = wrap[point]
+        original = getattr(owner, name)
+
+        def faulty(*args, **kwargs):
+            if when(*args, **kwargs):
+                die(f"{point}:{step}")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, faulty)
+    elif point == "save_shards":
+        write_data = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            future = write_data(self, plan, planner)
+            if current["step"] == step:
+                future.wait()
+                die(f"{point}:{step}")
+            return future
+
+        FileSystemWriter.write_data = write_then_die
+    elif point == "save_rename":
+        replace = os.replace
+
+        def replace_or_die(src, dst):
+            if Path(src).name == f".tmp_step_{step}":
+                die(f"{point}:{step}")
+            return replace(src, dst)
+
+        checkpoint.os.replace = replace_or_die
+
+
+def main() -> None:
+    point, step, rank = sys.argv[1].split(":")
+    assert point in POINTS, point
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RANK") == rank:
+        arm(point, int(step))
+    sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]
+    runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
