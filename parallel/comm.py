@@ -58,21 +58,39 @@ def group_name(group: ProcessGroup | None) -> str:
     return _group_names.get(group, f"group{dist.get_process_group_ranks(group)}")
 
 
+class CommTimeout(RuntimeError):
+    """A collective that did not complete within the process groups' timeout."""
+
+
 class CommLedger:
-    """Counts and bytes per (op, group) since the last reset."""
+    """Counts and bytes per (op, group) since the last reset, and where the rank is (for errors)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self.wait_s = 0.0  # host time blocked on communication since the last reset
+        self.step: int | None = None
+        self.where: dict[str, str] = {}  # e.g. {"stage": "pipeline r1 B c0 m2", "unit": "backward of layers.3"}
+        self.timeout_s: float | None = None
 
     def record(self, op: str, group: ProcessGroup | None, nbytes: int) -> None:
         entry = self._entries[(op, group_name(group))]
         entry[0] += 1
         entry[1] += nbytes
 
-    def reset(self) -> None:
+    def reset(self, step: int | None = None) -> None:
         self._entries.clear()
         self.wait_s = 0.0
+        self.step = step
+        self.where.clear()
+
+    def describe(self, op: str, group: ProcessGroup | None, label: str) -> str:
+        """The op, group, step and place of a collective, for a one-line error."""
+        places = [self.where[k] for k in ("stage", "unit") if k in self.where] or list(self.where.values())
+        if label and not any(label in place for place in places):
+            places.append(label)
+        places.insert(0, f"step {self.step}" if self.step is not None else "before the first step")
+        limit = f" within comm_timeout_s={self.timeout_s:g}" if self.timeout_s is not None else ""
+        return f"{op} on group {group_name(group)} did not complete{limit} ({', '.join(places)})"
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """{op: {count, bytes}} summed over groups: the `comm` field of metrics.jsonl."""
@@ -101,12 +119,34 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def set_where(kind: str, text: str) -> None:
+    """Where this rank is (kind: "phase", "stage", "unit"), named by a collective that times out."""
+    LEDGER.where[kind] = text
+
+
+def set_phase(text: str) -> None:
+    """A new phase of the step (e.g. "optimizer step"): the places of the previous one no longer apply."""
+    LEDGER.where.clear()
+    LEDGER.where["phase"] = text
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    text = str(e)
+    return "Timed out" in text or "timed out" in text or "Timeout" in text
+
+
 @contextmanager
 def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool = True):
-    """The profiler range of a collective (or of waiting for one); a blocking one's time is exposed comm."""
+    """The profiler range of a collective (or of waiting for one); a blocking one's time is exposed comm.
+    A timeout becomes one CommTimeout line naming the op, the group and where the rank is."""
     start = time.perf_counter()
-    with record_function(f"{op} {group_name(group)}" + (f" {label}" if label else "")):
-        yield
+    try:
+        with record_function(f"{op} {group_name(group)}" + (f" {label}" if label else "")):
+            yield
+    except RuntimeError as e:
+        if _timed_out(e) and not isinstance(e, CommTimeout):
+            raise CommTimeout(LEDGER.describe(op, group, label)) from e
+        raise
     if blocking:
         LEDGER.wait_s += time.perf_counter() - start
 
@@ -170,5 +210,6 @@ def all_gather_object(obj: object, group: ProcessGroup | None) -> list[object]:
     """For small control messages (checksums, error strings); never for tensors."""
     LEDGER.record("all_gather_object", group, 0)
     out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with traced("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out

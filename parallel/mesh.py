@@ -9,6 +9,8 @@ layout fails with one line instead of a hang.
 import gc
 import os
 import time
+from datetime import timedelta
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ from parallel import comm
 from parallel.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DEFAULT_TIMEOUT_S = 600.0  # the comm_timeout_s default
 
 
 @dataclass(frozen=True)
@@ -74,20 +77,23 @@ class ParallelDims:
 class ParallelMesh:
     """The device mesh plus the flattened groups the framework uses, each registered by name."""
 
-    def __init__(self, dims: ParallelDims, device_type: str):
+    def __init__(self, dims: ParallelDims, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.dims = dims
-        self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS)
-        self._flat = {
-            "dp": self.mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        options = partial(group_options, device_type, timeout_s)  # fresh options per group
+        self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS,
+                                                 backend_override={name: options() for name in MESH_DIMS})
+        flat = {
+            "dp": ("dp_replicate", "dp_shard"),
+            "dp_shard_cp": ("dp_shard", "cp"),
+            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
             # The loss: summed over the data each rank saw, from the last stage (others add zero).
-            "pp_dp_cp": self.mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("pp_dp_cp"),
+            "pp_dp_cp": ("pp", "dp_replicate", "dp_shard", "cp"),
             # fp8 amaxes: every rank of a pipeline stage (TransformerEngine's tp x cp x dp group).
-            "dp_cp_tp": self.mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
+            "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
             # The gradient norm: every piece of every parameter lives on exactly one of these ranks.
-            "pp_dp_shard_cp_tp": self.mesh["pp", "dp_shard", "cp", "tp"]._flatten("pp_dp_shard_cp_tp"),
+            "pp_dp_shard_cp_tp": ("pp", "dp_shard", "cp", "tp"),
         }
+        self._flat = {name: self.mesh[dims_]._flatten(name, backend_override=options()) for name, dims_ in flat.items()}
         # One group can carry several names (dp_shard_cp is dp_shard when cp=1, dp may be the world
         # group): the first name wins, mesh dimensions before "world".
         names: dict[ProcessGroup, str] = {}
@@ -135,16 +141,30 @@ class LaunchEnv:
         )
 
 
-def init_process_group(launch: LaunchEnv, device: torch.device) -> None:
-    """gloo on CPU, NCCL on CUDA; a lone process without torchrun gets an in-memory store."""
+def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """gloo on CPU, NCCL on CUDA, every collective bounded by `timeout_s`; a lone process without
+    torchrun gets an in-memory store."""
+    timeout = timedelta(seconds=timeout_s)
+    comm.LEDGER.timeout_s = timeout_s
     if not launch.torchrun:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     store = attempt_store(launch)
     if device.type == "cuda":
-        dist.init_process_group("nccl", store=store, rank=launch.rank, world_size=launch.world_size, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=launch.rank, world_size=launch.world_size, device_id=device,
+                                timeout=timeout)
     else:
-        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world_size)
+        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+
+
+def group_options(device_type: str, timeout_s: float) -> tuple[str, object]:
+    """Backend and options of a subgroup: new groups do not inherit the default group's timeout."""
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return backend, options
 
 
 def attempt_store(launch: LaunchEnv) -> dist.Store:

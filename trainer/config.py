@@ -116,6 +116,7 @@ class TrainConfig:
     mem_snapshot_stop_step: int | None = None
     stop_signal: str | None = None
     nan_policy: str = "halt"
+    comm_timeout_s: float = 600.0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

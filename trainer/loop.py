@@ -62,8 +62,10 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step `step` (1-based) and return its metrics."""
         start = time.perf_counter()
-        comm.LEDGER.reset()
+        comm.LEDGER.reset(step)
+        comm.set_phase("forward and backward")
         loss_sum = self._forward_backward(step)
+        comm.set_phase("gradient sync, norm and optimizer step")
         for root in self.roots:
             root.finish_gradient_sync()
         update_scaling(self.fp8_gemms, self.mesh.group("dp_cp_tp"))

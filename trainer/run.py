@@ -96,7 +96,7 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     if cfg.enable_deterministic_training:
         enable_deterministic(device.type)
     seed_everything(cfg.seed)
-    init_process_group(launch, device)
+    init_process_group(launch, device, cfg.comm_timeout_s)
     try:
         _train(cfg, launch, dims, device)
     finally:
@@ -104,7 +104,7 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
 
 
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device) -> None:
-    mesh = ParallelMesh(dims, device.type)
+    mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
     dump_dir = Path(cfg.dump_dir)
     lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, dist.group.WORLD)
     try:
@@ -208,6 +208,7 @@ def _fit(
                 tensorboard.log(m)
         stopping = stop.agreed() and step < cfg.steps
         if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
+            comm.set_phase("checkpoint save")
             if not weights_finite(trainer.roots, dist.group.WORLD):
                 raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
             path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)

@@ -23,7 +23,7 @@ _POSITIVE = (
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
     "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
-    "model.fp8_amax_history_len", "eval.steps",
+    "model.fp8_amax_history_len", "eval.steps", "comm_timeout_s",
 )
 _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from parallel import comm
 from parallel.fsdp.grad_sync import accumulate_unsharded, post_backward
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ def in_backward() -> bool:
 
 
 def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) -> None:
+    if not in_backward():
+        comm.set_where("unit", f"forward of {unit.name}")
     unit.unshard()
     if in_backward():
         return
@@ -60,6 +63,7 @@ def post_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple,
 
 
 def pre_backward(unit: FSDPUnit, root: FSDPRoot, grad: torch.Tensor) -> None:
+    comm.set_where("unit", f"backward of {unit.name}")
     unit.unshard()
     root.prefetch_previous(unit)
 

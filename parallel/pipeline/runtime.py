@@ -64,6 +64,8 @@ class PipelineRuntime:
     def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, keep_for_backward: bool) -> None:
         for step in steps:
             a, start = step[0], time.time()
+            if self.num_stages > 1:
+                comm.set_where("stage", f"pipeline {' '.join(map(str, step))}")
             if not a.is_compute:
                 self._exchange(step)
             elif a.op == FORWARD:

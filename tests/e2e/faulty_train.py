@@ -9,6 +9,8 @@ POINT is where in step STEP worker RANK dies:
   save_begin   entering the checkpoint save after the step, before any shard is written
   save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
   save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
+or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
+reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first).
 The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
@@ -17,12 +19,14 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 POINTS = ("step_start", "backward", "optimizer", "save_begin", "save_shards", "save_rename")
+STALL_S = 60.0
 
 
 def die(where: str) -> None:
@@ -47,6 +51,17 @@ def arm(point: str, step: int) -> None:
         return train_step(self, s)
 
     loop.Trainer.train_step = counting_train_step
+    if point == "stall":
+        reduce_scatter = comm.reduce_scatter_tensor
+
+        def stalling_reduce_scatter(*args, **kwargs):
+            if current["step"] == step:
+                sys.stderr.write(f"faulty_train: stalling at {time.time()}\n")
+                sys.stderr.flush()
+                time.sleep(STALL_S)
+            return reduce_scatter(*args, **kwargs)
+
+        comm.reduce_scatter_tensor = stalling_reduce_scatter
     wrap = {
         "backward": (comm, "reduce_scatter_tensor", lambda *a, **k: current["step"] == step),
         "optimizer": (optimizer.NamedAdamW, "step", lambda *a, **k: current["step"] == step),
@@ -86,7 +101,7 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in POINTS, point
+    assert point in (*POINTS, "stall"), point
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RANK") == rank:
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]

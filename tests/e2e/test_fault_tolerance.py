@@ -5,12 +5,13 @@ checkpoint and ends with the losses of a run that was never interrupted, bit for
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.faulty_train import POINTS
-from tests.e2e.launch import DATA_CACHE, ENV, REPO, losses, metrics, train_ok
+from tests.e2e.launch import DATA_CACHE, ENV, REPO, error_lines, losses, metrics, train_ok
 
 RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "steps=6",
        "batch_size=2", "checkpoint.freq=2", "checkpoint.keep=1")
@@ -65,3 +66,22 @@ def test_workers_killed_at_random_points_recover_bitwise(tmp_path, straight):
         fault = f"{point}:{step}:{rank}"
         proc = run_with_fault(tmp_path / f"dump{i}", fault)
         assert_recovered(proc, tmp_path / f"dump{i}", fault, straight)
+
+
+def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):
+    """Rank 1 of 3 sleeps at step 3's first gradient reduce-scatter: ranks 0 and 2, waiting in it, each
+    fail with one line naming the op, the group, the step and the unit, within comm_timeout_s + 10 s;
+    the job exits non-zero instead of hanging."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(REPO / "tests" / "e2e" / "faulty_train.py"), "stall:3:1", f"dump_dir={tmp_path / 'dump'}",
+           f"data.cache_dir={DATA_CACHE}", "model=tiny", "seq_len=64", "steps=6", "batch_size=1", "comm_timeout_s=5"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    stalled = float(proc.stderr.split("faulty_train: stalling at ")[1].split()[0])
+    assert proc.returncode != 0
+    assert ended - stalled < 5 + 10, ended - stalled
+    lines = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in error_lines(proc.stderr)}
+    assert set(lines) == {"error: rank 0", "error: rank 2"}, proc.stderr[-3000:]
+    for line in lines.values():
+        assert "CommTimeout: reduce_scatter on group dp_shard_cp did not complete within comm_timeout_s=5" in line
+        assert "(step 3, backward of head)" in line, line
