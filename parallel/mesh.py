@@ -78,7 +78,8 @@ class ParallelMesh:
     """The device mesh plus the flattened groups the framework uses, each registered by name."""
 
     def __init__(self, dims: ParallelDims, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.dims = dims
+        self.dims, self.timeout_s = dims, timeout_s
+        self._checkpoint_group: ProcessGroup | None = None
         options = partial(group_options, device_type, timeout_s)  # fresh options per group
         self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS,
                                                  backend_override={name: options() for name in MESH_DIMS})
@@ -101,6 +102,15 @@ class ParallelMesh:
             names.setdefault(self.group(name), name)
         names.setdefault(dist.group.WORLD, "world")
         comm.register_groups(names)
+
+    def checkpoint_group(self) -> ProcessGroup:
+        """Every rank, for asynchronous checkpoint writes: DCP runs their collectives in a background
+        thread while training's run on the other groups, so they need a group of their own (gloo: DCP's
+        async save needs a CPU backend). Created on first use, which is the same save on every rank."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            comm.register_groups({self._checkpoint_group: "checkpoint"})
+        return self._checkpoint_group
 
     def group(self, name: str) -> ProcessGroup:
         if name in self._flat:

@@ -61,14 +61,32 @@ def _sha256(path: Path) -> str:
 def save_checkpoint(
     root: Path, step: int, state: dict, group: ProcessGroup, rank: int, extra_files: dict[str, Path]
 ) -> Path:
-    final, tmp = root / f"{_STEP_PREFIX}{step}", root / f".tmp_{_STEP_PREFIX}{step}"
+    tmp = prepare_save(root, step, group, rank)
+    _dcp_io().save_state(state, tmp, group)
+    return complete_save(tmp, own_files(tmp, rank), group, rank, extra_files)
+
+
+def prepare_save(root: Path, step: int, group: ProcessGroup, rank: int) -> Path:
+    """The hidden folder a save writes into (rank 0 first removes any that crashed saves left)."""
+    tmp = root / f".tmp_{_STEP_PREFIX}{step}"
     if rank == 0:
-        for stale in root.glob(f".tmp_{_STEP_PREFIX}*"):  # left by saves that crashed
+        for stale in root.glob(f".tmp_{_STEP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier(group)
-    _dcp_io().save_state(state, tmp, group)
-    mine = {p.name: _file_entry(p) for p in tmp.glob(f"__{rank}_*")}
+    return tmp
+
+
+def own_files(tmp: Path, rank: int) -> dict[str, dict]:
+    """Size and sha256 of the shard files this rank wrote."""
+    return {p.name: _file_entry(p) for p in tmp.glob(f"__{rank}_*")}
+
+
+def complete_save(tmp: Path, mine: dict[str, dict], group: ProcessGroup, rank: int,
+                  extra_files: dict[str, Path]) -> Path:
+    """Every rank's files are written: rank 0 writes the manifest (last) and renames the folder into
+    place. Returns the checkpoint's final path."""
+    final = tmp.with_name(tmp.name.removeprefix(".tmp_"))
     entries = comm.all_gather_object(mine, group)
     if rank == 0:
         _finish(tmp, final, entries, extra_files)

@@ -67,6 +67,7 @@ class CheckpointConfig:
     freq: int = 0
     keep: int = 0
     verify_checksums: bool = True
+    async_save: bool = False
     init_from_hf: str | None = None
 
 

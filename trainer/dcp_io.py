@@ -6,6 +6,7 @@ this module only when a checkpoint is written or read.
 """
 
 import pickle
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -14,12 +15,49 @@ from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from parallel.fsdp.state_dict import BoxedParameter
 
 from trainer.checkpoint import CheckpointError
 
 
 def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:
     dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group)
+
+
+def host_copy(state: object) -> object:
+    """A copy of a (nested) state dict in host memory: checkpoint boxes and tensors copied."""
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, BoxedParameter):
+        return state.host_copy()
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return state
+
+
+class HostCopyStager(AsyncStager):
+    """DCP's staging step for our state: copy it to host memory, synchronously, before returning. The
+    step loop stalls for this copy only; DCP writes the copy from its background thread."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return host_copy(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def async_save_state(state: dict, folder: Path, group: ProcessGroup) -> Future:
+    """Stage `state` to host memory, then write it in DCP's background thread, its collectives on
+    `group` (a group of its own: the training's collectives run meanwhile)."""
+    return dcp.async_save(state, storage_writer=FileSystemWriter(folder), process_group=group,
+                          async_stager=HostCopyStager())
 
 
 _ALLOWED_GLOBALS = {

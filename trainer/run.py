@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import schedule_actions
 from parallel.random import RNGStreams
 from parallel import comm
+from trainer.async_save import AsyncCheckpointer
 from trainer.checkpoint import prune_checkpoints, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
@@ -195,6 +197,8 @@ def _fit(
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
     stop = StopOnSignal(cfg.stop_signal, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
+    background = AsyncCheckpointer(ckpt_root, dist.group.WORLD, trainer.mesh.checkpoint_group, rank,
+                                   cfg.checkpoint.keep, extra_files, log) if cfg.checkpoint.async_save else None
     for step in range(start_step + 1, cfg.steps + 1):
         with profiler.step(step), memory.recording(step):
             m = trainer.train_step(step)
@@ -207,18 +211,39 @@ def _fit(
             if tensorboard is not None:
                 tensorboard.log(m)
         stopping = stop.agreed() and step < cfg.steps
+        if background is not None:
+            background.poll()
         if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
-            comm.set_phase("checkpoint save")
-            if not weights_finite(trainer.roots, dist.group.WORLD):
-                raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
-            path = save_checkpoint(ckpt_root, step, state(step=step), dist.group.WORLD, rank, extra_files)
-            if rank == 0:
-                prune_checkpoints(ckpt_root, cfg.checkpoint.keep)
-            log(f"saved checkpoint {path}")
+            _checkpoint(cfg, trainer, step, state, extra_files, rank, log, background, in_background=not stopping)
         if stopping:
             if rank == 0:
                 stop.record(step)
             log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
             break
+    if background is not None:
+        background.wait()
     if tensorboard is not None:
         tensorboard.close()
+
+
+def _checkpoint(
+    cfg: TrainConfig, trainer: Trainer, step: int, state: Callable[..., dict], extra_files: dict[str, Path], rank: int,
+    log: Callable[[str], None], background: AsyncCheckpointer | None, in_background: bool,
+) -> None:
+    """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal:
+    after the background save in flight, if any, has completed)."""
+    comm.set_phase("checkpoint save")
+    if not weights_finite(trainer.roots, dist.group.WORLD):
+        raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
+    root = Path(cfg.dump_dir) / "checkpoints"
+    if background is not None and in_background:
+        stalled = background.save(step, state(step=step))
+        log(f"saving checkpoint of step {step} in the background (the step loop stalled {stalled:.3f} s)")
+        return
+    if background is not None:
+        background.wait()
+    start = time.perf_counter()
+    path = save_checkpoint(root, step, state(step=step), dist.group.WORLD, rank, extra_files)
+    if rank == 0:
+        prune_checkpoints(root, cfg.checkpoint.keep)
+    log(f"saved checkpoint {path} (the step loop stalled {time.perf_counter() - start:.3f} s)")

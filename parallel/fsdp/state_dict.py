@@ -125,6 +125,13 @@ class BoxedParameter(torch.Tensor):
         self._writes = writes
         return self
 
+    def host_copy(self) -> BoxedParameter:
+        """The same boxes, copied to host memory: what an asynchronous save writes while training goes on."""
+        copy = BoxedParameter.__new__(BoxedParameter, tuple(self.shape), torch.empty(0, dtype=self.dtype), [],
+                                      self._writes)
+        copy._views = {offsets: view.detach().to("cpu", copy=True) for offsets, view in self._views.items()}
+        return copy
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(f"BoxedParameter only carries shards for checkpoints; {func} is not supported")

@@ -1,0 +1,40 @@
+"""checkpoint.async_save=true writes the same files as a synchronous save, and resumes the same."""
+
+import json
+import re
+from pathlib import Path
+
+from tests.e2e.launch import losses, metrics, train
+from trainer.dcp_io import SafeFileSystemReader
+
+RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "batch_size=2",
+       "optim.decay_steps=6", "checkpoint.freq=2")
+
+
+def shard_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.glob("*.distcp")}
+
+
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    reference = train(2, sync, *RUN, "steps=6")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    first = train(2, background, *RUN, "steps=4", "checkpoint.async_save=true")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train(2, background, *RUN, "steps=6", "checkpoint.async_save=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+
+    stalls = [float(s) for s in re.findall(r"the step loop stalled ([0-9.]+) s", first.stdout + first.stderr)]
+    assert len(stalls) == 2, first.stdout[-2000:]  # steps 2 and 4, each reported
+    print(f"async save: the step loop stalled {stalls} s")
+
+    assert losses(metrics(background)) == losses(metrics(sync))
+    for step in (2, 4, 6):
+        ours, theirs = (d / "checkpoints" / f"step_{step}" for d in (background, sync))
+        assert shard_files(ours) == shard_files(theirs) and shard_files(ours), step
+        assert SafeFileSystemReader(ours).read_metadata().state_dict_metadata == \
+            SafeFileSystemReader(theirs).read_metadata().state_dict_metadata
+        listed = [{k: v for k, v in json.loads((d / "manifest.json").read_text())["files"].items() if "distcp" in k}
+                  for d in (ours, theirs)]
+        assert listed[0] == listed[1] and listed[0].keys() == shard_files(ours).keys()

@@ -1,0 +1,87 @@
+"""checkpoint.async_save=true: the step loop stalls only while the state is copied to host memory.
+
+A save stages (copies) the state, then DCP writes the copy from a background thread, its collectives on
+a process group of their own, and the thread hashes this rank's files when they are written. The
+checkpoint completes (manifest, rename, pruning) on the main thread at the first step boundary where
+every rank's write is done: one tiny all-reduce per step while a save is in flight decides that, so
+all ranks complete together. A save never overlaps the previous one (the next save, and the end of
+training, wait for it), and until it completes it is an incomplete hidden folder that no resume loads:
+the bytes on disk, and what a resume reads, are those of a synchronous save.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp
+
+from parallel import comm
+from trainer.checkpoint import CheckpointError, complete_save, own_files, prepare_save, prune_checkpoints
+
+
+@dataclass
+class _InFlight:
+    step: int
+    tmp: Path
+    done: threading.Event = field(default_factory=threading.Event)
+    files: dict | None = None  # this rank's written files, once done
+    error: str | None = None
+
+
+class AsyncCheckpointer:
+    def __init__(self, root: Path, group: ProcessGroup, save_group: Callable[[], ProcessGroup], rank: int,
+                 keep: int, extra_files: dict[str, Path], log: Callable[[str], None]):
+        """`save_group()` gives the background writes' own process group (created on first use)."""
+        self.root, self.group, self.save_group, self.rank = root, group, save_group, rank
+        self.keep, self.extra_files, self.log = keep, extra_files, log
+        self.in_flight: _InFlight | None = None
+
+    def save(self, step: int, state: dict) -> float:
+        """Start saving `state` (after waiting for the previous save); returns the seconds the caller
+        was stalled (the wait, the folder's preparation and the copy to host memory)."""
+        from trainer import dcp_io
+
+        start = time.perf_counter()
+        self.wait()
+        save = _InFlight(step, prepare_save(self.root, step, self.group, self.rank))
+        future = dcp_io.async_save_state(state, save.tmp, self.save_group())
+        future.add_done_callback(lambda f: self._written(save, f))
+        self.in_flight = save
+        return time.perf_counter() - start
+
+    def _written(self, save: _InFlight, future) -> None:
+        """In DCP's thread: hash this rank's files (or keep the error), then say so."""
+        try:
+            future.result()
+            save.files = own_files(save.tmp, self.rank)
+        except Exception as e:  # reported on the main thread, by every rank, at completion
+            save.error = f"{type(e).__name__}: {e}"
+        save.done.set()
+
+    def poll(self) -> None:
+        """At a step boundary: complete the save in flight if every rank has written its part."""
+        if self.in_flight is None:
+            return
+        flag = torch.tensor([1.0 if self.in_flight.done.is_set() else 0.0])
+        comm.all_reduce(flag, self.group, op=ReduceOp.MIN, label="async save done")
+        if flag.item() == 1.0:
+            self._complete()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written everywhere, and complete it."""
+        if self.in_flight is not None:
+            self.in_flight.done.wait()
+            self._complete()
+
+    def _complete(self) -> None:
+        save, self.in_flight = self.in_flight, None
+        errors = [e for e in comm.all_gather_object(save.error, self.group) if e]
+        if errors:
+            raise CheckpointError(f"the asynchronous save of step {save.step} failed: {errors[0]}")
+        path = complete_save(save.tmp, save.files, self.group, self.rank, self.extra_files)
+        if self.rank == 0:
+            prune_checkpoints(self.root, self.keep)
+        self.log(f"saved checkpoint {path} (written in the background)")
