@@ -36,8 +36,13 @@ def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) ->
     unit.grad_accumulator[offset : offset + grad.numel()].add_(grad.reshape(-1))
 
 
-def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor) -> torch.Tensor:
-    """The step's full flat gradient in fp32: this microbatch's plus what earlier ones accumulated."""
+def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor | None) -> torch.Tensor:
+    """The step's full flat gradient in fp32: this microbatch's (None: no parameter of the unit got one)
+    plus what earlier ones accumulated."""
+    if grad is None:
+        if unit.grad_accumulator is None:
+            return torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+        return unit.grad_accumulator
     if unit.grad_accumulator is None:
         return grad.to(torch.float32)
     accumulate_unsharded(unit, grad)
@@ -82,7 +87,7 @@ def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
         unit.flat_param.grad += grad
 
 
-def post_backward(unit: FSDPUnit, grad: torch.Tensor) -> None:
+def post_backward(unit: FSDPUnit, grad: torch.Tensor | None) -> None:
     """Last microbatch: reduce the step's gradient of this unit, once."""
     shard_grad = reduce_scatter_grad(unit, sum_partial_grads_over_tp(unit, unsharded_grad(unit, grad)))
     if unit.replicate_group is not None and unit.replicate_group.size() > 1:

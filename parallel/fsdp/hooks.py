@@ -1,10 +1,17 @@
 """Forward and backward hooks of an FSDP unit, each a small named function.
 
-pre_forward  : unshard (or land the prefetch), install views, prefetch the next unit
+pre_forward  : unshard (or land the prefetch), install views, prefetch the next unit, and route the
+               unit's inputs through an identity autograd function whose backward marks its end
 post_forward : expect a gradient, hook the outputs for pre_backward, reshard (ZeRO-3)
-pre_backward : unshard (or land the prefetch), prefetch the previous unit
-on_full_grad : the concatenated gradient of a connected backward is ready -> accumulate or reduce
-on_backward_done : this unit's backward finished -> reshard (ZeRO-3)
+pre_backward : unshard (or land the prefetch), prefetch the previous unit, and queue a callback at the
+               end of the whole backward, the fallback end for units whose inputs need no gradient
+on_full_grad : the concatenated gradient of a connected backward is ready -> keep it or accumulate it
+end_of_backward : this forward's backward is over (whichever of the two comes first) -> on the last
+               microbatch reduce the step's gradient, then reshard (ZeRO-3)
+
+The end of a unit's backward does not depend on which parameters got gradients: a parameter unused in
+some microbatch (an unused branch, an expert without tokens) contributes nothing, and the unit still
+reduces and reshards, with `optimize_backward_concat` on or off.
 
 Activation-checkpoint recompute that re-enters a unit's forward runs inside the autograd engine. The
 unit is normally already unsharded for backward then; pre_forward only makes sure of it (landing an
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
 from parallel import comm
@@ -27,6 +35,30 @@ from parallel.fsdp.grad_sync import accumulate_unsharded, post_backward
 if TYPE_CHECKING:
     from parallel.fsdp.root import FSDPRoot
     from parallel.fsdp.unit import FSDPUnit
+
+
+class BackwardTicket:
+    """One forward with grad of a unit, whose backward is to end exactly once."""
+
+    __slots__ = ("queued", "done")
+
+    def __init__(self) -> None:
+        self.queued = self.done = False
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward runs once the gradients w.r.t. them are computed,
+    which is after the unit's own gradient computation (as FSDP2's RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx, on_backward_end, *inputs: torch.Tensor):
+        ctx.on_backward_end = on_backward_end
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.on_backward_end()
+        return (None, *grads)
 
 
 def register_hooks(unit: FSDPUnit, root: FSDPRoot) -> None:
@@ -39,14 +71,33 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) -> None:
+def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) -> tuple | None:
     if not in_backward():
         comm.set_where("unit", f"forward of {unit.name}")
     unit.unshard()
     if in_backward():
-        return
-    unit.install_views(on_backward_done)
+        return None
+    routed = None
+    if torch.is_grad_enabled():
+        # Before the views: autograd runs the later-created of two ready nodes first, so the views'
+        # backward (and the gradient's arrival) comes before the end of the unit's.
+        unit.ticket = BackwardTicket()
+        routed = _route_inputs(args, partial(end_of_backward, unit, unit.ticket))
+    unit.install_views()
     root.prefetch_next(unit)
+    return routed
+
+
+def _route_inputs(args: tuple, on_backward_end) -> tuple | None:
+    """The positional tensor inputs that need a gradient go through _EndOfBackward (None: there are none)."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not positions:
+        return None
+    routed = _EndOfBackward.apply(on_backward_end, *(args[i] for i in positions))
+    out = list(args)
+    for i, tensor in zip(positions, routed):
+        out[i] = tensor
+    return tuple(out)
 
 
 def post_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple, output: object) -> None:
@@ -56,28 +107,40 @@ def post_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple,
         unit.gradients_pending += 1
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(partial(pre_backward, unit, root))
+                t.register_hook(partial(pre_backward, unit, root, unit.ticket))
     if unit.cfg.reshard_after_forward:
         unit.reshard()
     return None
 
 
-def pre_backward(unit: FSDPUnit, root: FSDPRoot, grad: torch.Tensor) -> None:
+def pre_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket, grad: torch.Tensor) -> None:
     comm.set_where("unit", f"backward of {unit.name}")
     unit.unshard()
     root.prefetch_previous(unit)
+    if not ticket.queued:
+        ticket.queued = True
+        Variable._execution_engine.queue_callback(partial(end_of_backward, unit, ticket))
 
 
 def on_full_grad(unit: FSDPUnit, full: torch.Tensor) -> None:
     grad, full.grad = full.grad, None
     if unit.is_last_microbatch:
-        post_backward(unit, grad)
+        if unit.ticket.done:  # never reduce a step's gradient without it
+            raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended")
+        unit.last_grad = grad  # reduced at the end of the unit's backward
     else:
         accumulate_unsharded(unit, grad)
-    on_backward_done(unit)
 
 
-def on_backward_done(unit: FSDPUnit) -> None:
+def end_of_backward(unit: FSDPUnit, ticket: BackwardTicket) -> None:
+    """The backward of one forward of the unit is over: reduce on the last microbatch (a collective
+    every rank reaches, used parameters or not), then reshard."""
+    if ticket.done:
+        return
+    ticket.done = True
+    if unit.is_last_microbatch:
+        grad, unit.last_grad = unit.last_grad, None
+        post_backward(unit, grad)
     unit.gradients_pending -= 1
     if unit.cfg.reshard_after_forward:
         unit.reshard()

@@ -116,6 +116,8 @@ class FSDPUnit:
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.replica_reduce: tuple[Work, torch.Tensor] | None = None
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
+        self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
+        self.last_grad: torch.Tensor | None = None  # the last microbatch's flat gradient, until reduced
 
     @property
     def full(self) -> torch.Tensor:
@@ -188,7 +190,7 @@ class FSDPUnit:
                 "gradients": sum(t.untyped_storage().nbytes() for t in grads)}
 
     # --- parameter views ---------------------------------------------------------------------
-    def install_views(self, on_view_grads_done) -> None:
+    def install_views(self) -> None:
         """Point the module's parameters at views of the unsharded flat parameter.
 
         On the last microbatch (or without optimize_backward_concat) the views stay connected to
@@ -198,7 +200,7 @@ class FSDPUnit:
         if self.is_last_microbatch or not self.cfg.optimize_backward_concat:
             views = split_views(self._full, self.spec)
         else:
-            views = _DetachedViews(self, on_view_grads_done).views
+            views = _DetachedViews(self).views
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
         # would vanish without an error. Every view must have a grad_fn when grad is enabled.
         if torch.is_grad_enabled() and any(v.grad_fn is None for v in views):
@@ -220,13 +222,13 @@ def _materialize_buffers(module: nn.Module, materialize: Materialize | None) -> 
 class _DetachedViews:
     """Views cut from the flat parameter in autograd: the split runs under no_grad, each chunk is made
     a grad-requiring leaf, and the view() op runs outside no_grad so the view has a grad_fn (a view
-    built entirely under no_grad would silently drop its gradient)."""
+    built entirely under no_grad would silently drop its gradient). Each chunk's gradient is added to
+    the accumulator as it arrives; a chunk that gets none adds nothing."""
 
-    def __init__(self, unit: FSDPUnit, on_done):
-        self.unit, self.on_done = unit, on_done
+    def __init__(self, unit: FSDPUnit):
+        self.unit = unit
         with torch.no_grad():
             chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
-        self.pending = len(chunks)
         self.views = []
         for chunk, offset, shape in zip(chunks, unit.spec.offsets(), unit.spec.shapes):
             chunk.requires_grad_(True)
@@ -236,6 +238,3 @@ class _DetachedViews:
     def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
         accumulate_unsharded(self.unit, chunk.grad, offset)
         chunk.grad = None
-        self.pending -= 1
-        if self.pending == 0:
-            self.on_done(self.unit)

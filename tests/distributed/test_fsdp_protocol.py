@@ -57,7 +57,7 @@ def _check_bitwise_on_off(rank: int, world: int) -> None:
 class _NoGradViews(fsdp_unit._DetachedViews):
     """The hazard: views made entirely under no_grad have no grad_fn and silently drop gradients."""
 
-    def __init__(self, unit, on_done):
+    def __init__(self, unit):
         with torch.no_grad():
             chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
             self.views = [c.view(s) for c, s in zip(chunks, unit.spec.shapes)]

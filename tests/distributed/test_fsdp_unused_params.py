@@ -1,0 +1,118 @@
+"""Parameters that get no gradient in some microbatches: the unit still ends its backward, reduces
+and reshards, with optimize_backward_concat on and off (bitwise equal), matching one process."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.fsdp import FSDPConfig, fully_shard
+from parallel.fsdp.flat_param import unflatten
+from parallel.fsdp.unit import UnitState
+from tests.distributed.spawn import run_ranks
+
+DIM, PER_RANK, STEPS = 8, 3, 2  # each rank: 3 microbatches of one row
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(DIM, DIM)
+        self.sometimes = nn.Linear(DIM, DIM, bias=False)  # unused on microbatch 0
+        self.never = nn.Linear(DIM, DIM, bias=False)  # unused on every microbatch
+
+    def forward(self, x: torch.Tensor, microbatch: int) -> torch.Tensor:
+        y = torch.tanh(self.w(x))
+        return y + self.sometimes(x) if microbatch > 0 else y
+
+
+class Toy(nn.Module):
+    """Unit `a` takes data (no gradient w.r.t. its input); unit `b` takes a's output (one)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = Block(), Block()
+
+    def forward(self, x: torch.Tensor, microbatch: int) -> torch.Tensor:
+        return self.b(self.a(x, microbatch), microbatch)
+
+
+def batch(step: int, world: int) -> torch.Tensor:
+    return torch.randn(world * PER_RANK, DIM, generator=torch.Generator().manual_seed(step))
+
+
+def reference(world: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One process: every rank's microbatches, each row with its microbatch index."""
+    model, losses, grads = Toy(), [], []
+    for step in range(STEPS):
+        rows = batch(step, world)
+        loss = sum(model(rows[i : i + 1], i % PER_RANK).pow(2).sum() for i in range(len(rows))) / len(rows)
+        loss.backward()
+        grads.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                      for n, p in model.named_parameters()})
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        model.zero_grad()
+    return losses, grads
+
+
+def train(rank: int, world: int, cfg: FSDPConfig) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    model = Toy()
+    root = fully_shard(model, ["a", "b"], dist.group.WORLD, None, cfg)
+    losses, grads = [], []
+    for step in range(STEPS):
+        rows = batch(step, world)[rank * PER_RANK : (rank + 1) * PER_RANK]
+        total = torch.zeros(())
+        for i in range(PER_RANK):
+            root.set_microbatch(is_first=i == 0, is_last=i == PER_RANK - 1)
+            loss = model(rows[i : i + 1], i).pow(2).sum() / (world * PER_RANK)
+            loss.backward()
+            total += loss.detach()
+            if cfg.reshard_after_forward:  # ZeRO-3: every unit freed as soon as its backward ended
+                assert [u.state for u in root.units] == [UnitState.SHARDED] * 2, (step, i)
+        root.finish_gradient_sync()
+        dist.all_reduce(total)
+        losses.append(total.item())
+        grads.append(full_grads(root))
+        with torch.no_grad():
+            for unit in root.units:
+                unit.flat_param -= 0.1 * unit.flat_param.grad
+                unit.flat_param.grad = None
+    return losses, grads
+
+
+def full_grads(root) -> dict[str, torch.Tensor]:
+    out = {}
+    for unit in root.units:
+        flat = torch.empty(unit.spec.padded)
+        dist.all_gather_into_tensor(flat, unit.flat_param.grad, group=unit.shard_group)
+        out |= {f"{unit.name}.{n}": g for n, g in unflatten(flat, unit.spec).items()}
+    return out
+
+
+def _check(rank: int, world: int) -> None:
+    ref_losses, ref_grads = reference(world)
+    for reshard in (False, True):
+        runs = {concat: train(rank, world, FSDPConfig(reshard_after_forward=reshard, optimize_backward_concat=concat))
+                for concat in (False, True)}
+        for concat, (losses, grads) in runs.items():
+            label = f"reshard={reshard} concat={concat}"
+            for got, want in zip(losses, ref_losses):
+                assert abs(got - want) <= 1e-6 * abs(want), (label, losses, ref_losses)
+            for step, (got, want) in enumerate(zip(grads, ref_grads)):
+                assert got.keys() == want.keys()
+                for name in want:
+                    assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), (label, step, name)
+                assert not got["a.never.weight"].any() and not got["b.never.weight"].any()
+                assert got["a.sometimes.weight"].abs().sum() > 0
+        (off_losses, off_grads), (on_losses, on_grads) = runs[False], runs[True]
+        assert off_losses == on_losses, reshard
+        for off, on in zip(off_grads, on_grads):
+            assert all(torch.equal(off[n], on[n]) for n in off), reshard
+
+
+def test_unused_parameters_reduce_reshard_and_stay_bitwise_with_and_without_concat():
+    run_ranks(2, _check)
