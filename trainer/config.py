@@ -108,6 +108,7 @@ class TrainConfig:
     dp_replicate: int = 1
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
+    grad_reduce: str = "per_step"
     enable_deterministic_training: bool = False
     log_freq: int = 10
     log_all_steps: bool = False
@@ -153,6 +154,7 @@ ENUMS = {
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
     "nan_policy": ("halt", "skip"),
+    "grad_reduce": ("per_step", "per_microbatch"),
     "model.fp8_format": ("hybrid", "e4m3"),
     "model.fp8_amax_compute_algo": ("max", "most_recent"),
 }

@@ -80,6 +80,7 @@ def parallelize(
         reshard_after_forward=cfg.reshard_after_forward,
         optimize_backward_concat=cfg.optimize_backward_concat,
         fp8_all_gather=cfg.model.fp8_all_gather,
+        grad_reduce=cfg.grad_reduce,
     )
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)

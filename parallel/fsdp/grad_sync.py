@@ -1,17 +1,21 @@
 """The gradient path of an FSDP unit, as small named steps.
 
-Non-last microbatches only accumulate into the fp32 unsharded accumulator. The last microbatch runs
-the post-backward path once per unit per step:
+With `grad_reduce=per_step` (the default), non-last microbatches only accumulate into the fp32
+unsharded accumulator and the last one reduces the step's gradient once per unit. With
+`grad_reduce=per_microbatch`, every microbatch reduces its own gradient into an fp32 shard-sized sum
+(M reduce-scatters per unit per step, no unsharded gradient kept between microbatches). A reduction:
 
     unsharded_grad -> (SP) sum_partial_grads_over_tp -> reduce_scatter_grad
-                   -> (HSDP) start_replica_all_reduce -> accumulate_shard_grad
+                   -> (HSDP, on the step's last microbatch) sum_over_replicas -> accumulate_shard_grad
 
-and `finalize` (at the end of the step's backward) waits for the asynchronous replica all-reduces.
-Gradients arrive already scaled by the global token count, so every reduction is a SUM.
+is a generator of stages that the ReductionQueue (reductions.py) runs asynchronously: each collective
+is issued, the backward goes on, and the wait comes at a later fixed point. Gradients arrive already
+scaled by the global token count, so every reduction is a SUM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +24,8 @@ from parallel import comm
 
 if TYPE_CHECKING:
     from parallel.fsdp.unit import FSDPUnit
+
+Stages = Generator[None, None, torch.Tensor]
 
 
 def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) -> None:
@@ -37,46 +43,54 @@ def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) ->
 
 
 def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor | None) -> torch.Tensor:
-    """The step's full flat gradient in fp32: this microbatch's (None: no parameter of the unit got one)
-    plus what earlier ones accumulated."""
-    if grad is None:
-        if unit.grad_accumulator is None:
-            return torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
-        return unit.grad_accumulator
-    if unit.grad_accumulator is None:
-        return grad.to(torch.float32)
-    accumulate_unsharded(unit, grad)
-    return unit.grad_accumulator
+    """The flat gradient to reduce, in fp32: this microbatch's (None: no parameter of the unit got one)
+    plus what earlier microbatches accumulated; the accumulator is handed over."""
+    if grad is not None and unit.grad_accumulator is not None:
+        accumulate_unsharded(unit, grad)
+        grad = None
+    flat, unit.grad_accumulator = unit.grad_accumulator, None
+    if flat is None:
+        flat = grad.to(torch.float32) if grad is not None else torch.zeros(
+            unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+    return flat
 
 
-def sum_partial_grads_over_tp(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor:
+def sum_partial_grads_over_tp(unit: FSDPUnit, flat_grad: torch.Tensor) -> Iterator[None]:
     """Sequence parallel: TP-replicated parameters (norm weights) saw 1/tp of the tokens on each TP
     rank, so their gradient slices are partial sums; add them up over TP (one all-reduce per unit)."""
     if not (unit.tp.sequence_parallel and unit.tp.size > 1 and unit.tp_replicated):
-        return flat_grad
+        return
     parts = torch.cat([flat_grad[o : o + n] for o, n in unit.tp_replicated])
-    comm.all_reduce(parts, unit.tp.group, label=unit.name)
+    work = comm.all_reduce(parts, unit.tp.group, async_op=True, label=unit.name)
+    yield
+    comm.wait(work, "all_reduce", unit.tp.group, unit.name)
     start = 0
     for offset, numel in unit.tp_replicated:
         flat_grad[offset : offset + numel] = parts[start : start + numel]
         start += numel
-    return flat_grad
 
 
-def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> torch.Tensor:
+def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> Stages:
     """Sum over the shard group, in reduce_dtype; returns this rank's shard of the sum."""
     flat_grad = flat_grad.to(unit.cfg.reduce_dtype)
     if unit.spec.world == 1:
         return flat_grad
     shard = torch.empty(unit.spec.shard_size, dtype=unit.cfg.reduce_dtype, device=flat_grad.device)
-    comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group, label=unit.name)
+    work = comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group, async_op=True, label=unit.name)
+    yield
+    comm.wait(work, "reduce_scatter", unit.shard_group, unit.name)
     return shard
 
 
-def start_replica_all_reduce(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
-    """HSDP: sum the shard over replicas asynchronously, overlapping the next units' collectives."""
+def sum_over_replicas(unit: FSDPUnit, shard_grad: torch.Tensor) -> Stages:
+    """HSDP: sum the shard over the replicas (once per step)."""
+    if unit.replicate_group is None or unit.replicate_group.size() == 1:
+        return shard_grad
+    shard_grad = shard_grad.to(unit.cfg.reduce_dtype)
     work = comm.all_reduce(shard_grad, unit.replicate_group, async_op=True, label=unit.name)
-    unit.replica_reduce = (work, shard_grad)
+    yield
+    comm.wait(work, "all_reduce", unit.replicate_group, unit.name)
+    return shard_grad
 
 
 def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
@@ -87,20 +101,14 @@ def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
         unit.flat_param.grad += grad
 
 
-def post_backward(unit: FSDPUnit, grad: torch.Tensor | None) -> None:
-    """Last microbatch: reduce the step's gradient of this unit, once."""
-    shard_grad = reduce_scatter_grad(unit, sum_partial_grads_over_tp(unit, unsharded_grad(unit, grad)))
-    if unit.replicate_group is not None and unit.replicate_group.size() > 1:
-        start_replica_all_reduce(unit, shard_grad)
-    else:
-        accumulate_shard_grad(unit, shard_grad)
-    unit.grad_accumulator = None
-
-
-def finalize(unit: FSDPUnit) -> None:
-    """End of the step's backward: land the asynchronous replica all-reduce."""
-    if unit.replica_reduce is not None:
-        work, shard_grad = unit.replica_reduce
-        comm.wait(work, "all_reduce", unit.replicate_group, unit.name)
-        accumulate_shard_grad(unit, shard_grad)
-        unit.replica_reduce = None
+def reduce_gradient(unit: FSDPUnit, flat_grad: torch.Tensor, last_microbatch: bool) -> Iterator[None]:
+    """The stages of one reduction of `flat_grad` (from unsharded_grad) into the unit's shard gradient."""
+    yield from sum_partial_grads_over_tp(unit, flat_grad)
+    shard_grad = yield from reduce_scatter_grad(unit, flat_grad)
+    if unit.cfg.grad_reduce == "per_microbatch":
+        unit.shard_grad_sum = shard_grad.to(torch.float32) if unit.shard_grad_sum is None \
+            else unit.shard_grad_sum.add_(shard_grad)
+        if not last_microbatch:
+            return
+        shard_grad, unit.shard_grad_sum = unit.shard_grad_sum, None
+    accumulate_shard_grad(unit, (yield from sum_over_replicas(unit, shard_grad)))

@@ -6,8 +6,9 @@ post_forward : expect a gradient, hook the outputs for pre_backward, reshard (Ze
 pre_backward : unshard (or land the prefetch), prefetch the previous unit, and queue a callback at the
                end of the whole backward, the fallback end for units whose inputs need no gradient
 on_full_grad : the concatenated gradient of a connected backward is ready -> keep it or accumulate it
-end_of_backward : this forward's backward is over (whichever of the two comes first) -> on the last
-               microbatch reduce the step's gradient, then reshard (ZeRO-3)
+end_of_backward : this forward's backward is over (whichever of the two comes first) -> when this
+               microbatch reduces (the last; every one with grad_reduce=per_microbatch) start the
+               reduction (asynchronous, root.reductions), then reshard (ZeRO-3)
 
 The end of a unit's backward does not depend on which parameters got gradients: a parameter unused in
 some microbatch (an unused branch, an expert without tokens) contributes nothing, and the unit still
@@ -30,7 +31,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
 from parallel import comm
-from parallel.fsdp.grad_sync import accumulate_unsharded, post_backward
+from parallel.fsdp.grad_sync import accumulate_unsharded, reduce_gradient, unsharded_grad
 
 if TYPE_CHECKING:
     from parallel.fsdp.root import FSDPRoot
@@ -82,7 +83,7 @@ def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) 
         # Before the views: autograd runs the later-created of two ready nodes first, so the views'
         # backward (and the gradient's arrival) comes before the end of the unit's.
         unit.ticket = BackwardTicket()
-        routed = _route_inputs(args, partial(end_of_backward, unit, unit.ticket))
+        routed = _route_inputs(args, partial(end_of_backward, unit, root, unit.ticket))
     unit.install_views()
     root.prefetch_next(unit)
     return routed
@@ -119,28 +120,30 @@ def pre_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket, grad: t
     root.prefetch_previous(unit)
     if not ticket.queued:
         ticket.queued = True
-        Variable._execution_engine.queue_callback(partial(end_of_backward, unit, ticket))
+        Variable._execution_engine.queue_callback(partial(end_of_backward, unit, root, ticket))
 
 
 def on_full_grad(unit: FSDPUnit, full: torch.Tensor) -> None:
     grad, full.grad = full.grad, None
-    if unit.is_last_microbatch:
-        if unit.ticket.done:  # never reduce a step's gradient without it
+    if unit.reduces_now:
+        if unit.ticket.done:  # never reduce a gradient without it
             raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended")
-        unit.last_grad = grad  # reduced at the end of the unit's backward
+        unit.pending_grad = grad  # reduced at the end of the unit's backward
     else:
         accumulate_unsharded(unit, grad)
 
 
-def end_of_backward(unit: FSDPUnit, ticket: BackwardTicket) -> None:
-    """The backward of one forward of the unit is over: reduce on the last microbatch (a collective
-    every rank reaches, used parameters or not), then reshard."""
+def end_of_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket) -> None:
+    """The backward of one forward of the unit is over: start reducing when this microbatch reduces (a
+    collective every rank reaches, used parameters or not), then reshard."""
     if ticket.done:
         return
     ticket.done = True
-    if unit.is_last_microbatch:
-        grad, unit.last_grad = unit.last_grad, None
-        post_backward(unit, grad)
+    if unit.reduces_now:
+        grad, unit.pending_grad = unit.pending_grad, None
+        flat_grad = unsharded_grad(unit, grad)
+        reduction = reduce_gradient(unit, flat_grad, unit.is_last_microbatch)
+        root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())
     unit.gradients_pending -= 1
     if unit.cfg.reshard_after_forward:
         unit.reshard()

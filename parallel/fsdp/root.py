@@ -10,15 +10,16 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from parallel import comm
-from parallel.fsdp.grad_sync import finalize
+from parallel.fsdp.reductions import ReductionQueue
 from parallel.fsdp.hooks import register_hooks
 from parallel.fsdp.unit import FSDPConfig, FSDPUnit, Materialize, TPGroups, UnitState
 
 
 class FSDPRoot:
-    def __init__(self, units: list[FSDPUnit], shard_group: ProcessGroup):
+    def __init__(self, units: list[FSDPUnit], shard_group: ProcessGroup, reductions_in_flight: int):
         self.units = units
         self.shard_group = shard_group
+        self.reductions = ReductionQueue(reductions_in_flight)
         self._index = {id(u): i for i, u in enumerate(units)}
 
     def set_microbatch(self, is_first: bool, is_last: bool) -> None:
@@ -41,8 +42,8 @@ class FSDPRoot:
 
     def finish_gradient_sync(self) -> None:
         """After the last microbatch's backward: land async reductions and free unsharded params."""
+        self.reductions.drain()
         for unit in self.units:
-            finalize(unit)
             unit.reshard()
             if unit.gradients_pending:
                 raise RuntimeError(
@@ -95,7 +96,7 @@ def fully_shard(
     stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
     if stray:
         raise ValueError(f"parameters outside every FSDP unit: {', '.join(stray)}")
-    root = FSDPRoot(units, shard_group)
+    root = FSDPRoot(units, shard_group, cfg.reductions_in_flight)
     for unit in units:
         register_hooks(unit, root)
     return root

@@ -63,6 +63,8 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
     fp8_all_gather: bool = False  # gather the weights of fp8 GEMMs as fp8 (see fp8_gather.py)
+    grad_reduce: str = "per_step"  # or "per_microbatch" (see grad_sync.py)
+    reductions_in_flight: int = 2  # gradient reductions overlapping the backward; 0: synchronous
 
 
 @runtime_checkable
@@ -114,10 +116,10 @@ class FSDPUnit:
         self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
         self.is_first_microbatch = self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
-        self.replica_reduce: tuple[Work, torch.Tensor] | None = None
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
         self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
-        self.last_grad: torch.Tensor | None = None  # the last microbatch's flat gradient, until reduced
+        self.pending_grad: torch.Tensor | None = None  # a flat gradient to reduce at the backward's end
+        self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
 
     @property
     def full(self) -> torch.Tensor:
@@ -133,6 +135,11 @@ class FSDPUnit:
             mask[offset : offset + numel] = 0.0
         size = self.spec.shard_size
         return mask[self.rank * size : (self.rank + 1) * size]
+
+    @property
+    def reduces_now(self) -> bool:
+        """Whether this microbatch's gradient is reduced (rather than accumulated unsharded)."""
+        return self.is_last_microbatch or self.cfg.grad_reduce == "per_microbatch"
 
     def set_microbatch(self, is_first: bool, is_last: bool) -> None:
         """The scheduler's marks, for this unit and the submodules that want them."""
@@ -185,7 +192,7 @@ class FSDPUnit:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the unit holds right now: parameters (shard + whatever is unsharded) and gradients."""
         held = [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
-        grads = [t for t in (self.grad_accumulator, self.flat_param.grad) if t is not None]
+        grads = [t for t in (self.grad_accumulator, self.shard_grad_sum, self.flat_param.grad) if t is not None]
         return {"parameters": sum(t.untyped_storage().nbytes() for t in held),
                 "gradients": sum(t.untyped_storage().nbytes() for t in grads)}
 
@@ -193,11 +200,11 @@ class FSDPUnit:
     def install_views(self) -> None:
         """Point the module's parameters at views of the unsharded flat parameter.
 
-        On the last microbatch (or without optimize_backward_concat) the views stay connected to
-        `_full`, so their gradients are concatenated once into `_full.grad`. Otherwise each view's
+        When the gradient is reduced now (or without optimize_backward_concat) the views stay connected
+        to `_full`, so their gradients are concatenated once into `_full.grad`. Otherwise each view's
         gradient lands in its own leaf and is added to the fp32 accumulator by a hook, with no concat.
         """
-        if self.is_last_microbatch or not self.cfg.optimize_backward_concat:
+        if self.reduces_now or not self.cfg.optimize_backward_concat:
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self).views

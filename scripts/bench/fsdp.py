@@ -1,5 +1,14 @@
 """Our FSDP against PyTorch FSDP2 and DDP: step time, bytes communicated, peak RSS; dp=4 gloo ranks on CPU.
 
+Each configuration steps the optimizer its users would use: ours the trainer's AdamW over the flat
+fp32 shards (four tensors for model=tiny), FSDP2, DDP and the limit row torch's AdamW with
+`foreach=True` (torchtitan's choice; CPU's default would be a for-loop over every DTensor). Forward +
+backward time (up to gradients ready) is reported apart from the whole step, and so is `comm_wait`:
+the time ours spent blocked on communication (parallel.comm's exposed-comm clock; FSDP2 and DDP do not
+expose theirs). Ours also runs with its gradient reductions synchronous (`reductions_in_flight=0`) and
+with `grad_reduce=per_microbatch`. The limit row is the same per-rank work (model, microbatches,
+optimizer over the whole model) on each rank with no communication at all.
+
 Same model (conf/model/{tiny,small}.yaml), same weights, same data; fp32, 1 thread per rank, microbatch
 size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`;
 FSDP2: `set_requires_gradient_sync`; DDP: `no_sync()`). With reshard_after_forward=False, FSDP2 also
@@ -62,6 +71,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
+from trainer.config import OptimConfig  # noqa: E402
+from trainer.optimizer import NamedAdamW  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.fsdp import FSDPConfig, fully_shard  # noqa: E402
 from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
@@ -76,16 +87,23 @@ TORCH_LEDGER = comm.CommLedger()  # FSDP2's collectives, counted by the wrappers
 
 @dataclass(frozen=True)
 class Config:
-    kind: str  # "ours" | "fsdp2" | "ddp"
+    kind: str  # "ours" | "fsdp2" | "ddp" | "limit"
     reshard: bool = False
+    grad_reduce: str = "per_step"  # ours only
+    in_flight: int = 2  # ours only: gradient reductions overlapping the backward
 
     @property
     def label(self) -> str:
-        return self.kind if self.kind == "ddp" else f"{self.kind} reshard={self.reshard}"
+        if self.kind in ("ddp", "limit"):
+            return self.kind
+        extra = (", sync reductions" if self.in_flight == 0 else "") + \
+            (", per_microbatch" if self.grad_reduce != "per_step" else "")
+        return f"{self.kind} reshard={self.reshard}{extra}"
 
 
 CONFIGS = (Config("ours", False), Config("fsdp2", False), Config("ours", True), Config("fsdp2", True),
-           Config("ddp"))
+           Config("ours", True, in_flight=0), Config("ours", True, grad_reduce="per_microbatch"), Config("ddp"),
+           Config("limit"))
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
@@ -122,7 +140,15 @@ class Runner:
 
     def __init__(self, model: nn.Module, loss_divisor: int):
         self.model, self.loss_divisor = model, loss_divisor
-        self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        self.optimizer = torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
+        self.forward_backward_s = 0.0  # of the last step
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def comm_wait_s(self) -> float | None:
+        return None
 
     def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
         return nullcontext()
@@ -139,23 +165,33 @@ class Runner:
 
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Returns this rank's summed token loss."""
-        total = 0.0
+        total, start = 0.0, time.perf_counter()
         for i, (x, y) in enumerate(microbatches):
             with self.microbatch(i == 0, i == len(microbatches) - 1):
                 loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten(), reduction="sum")
                 (loss / self.loss_divisor).backward()
             total += loss.item()
         self.finish_backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.forward_backward_s = time.perf_counter() - start
+        self.optimizer_step()
         return total
 
 
 class Ours(Runner):
-    def __init__(self, model: Transformer, mesh: ParallelMesh, reshard: bool, global_tokens: int):
-        cfg = FSDPConfig(reshard_after_forward=reshard, optimize_backward_concat=True)
+    def __init__(self, model: Transformer, mesh: ParallelMesh, config: Config, global_tokens: int):
+        cfg = FSDPConfig(reshard_after_forward=config.reshard, optimize_backward_concat=True,
+                         grad_reduce=config.grad_reduce, reductions_in_flight=config.in_flight)
         self.root = fully_shard(model, unit_names(model), mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), cfg)
-        super().__init__(model, global_tokens)  # ours sums gradients over ranks
+        self.model, self.loss_divisor, self.forward_backward_s = model, global_tokens, 0.0  # sums over ranks
+        self.optimizer = NamedAdamW([model], OptimConfig(lr=ADAMW["lr"], beta1=ADAMW["betas"][0],
+                                    beta2=ADAMW["betas"][1], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"]))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step(ADAMW["lr"])
+        self.optimizer.zero_grad()
+
+    def comm_wait_s(self) -> float:
+        return comm.LEDGER.wait_s
 
     def microbatch(self, is_first: bool, is_last: bool) -> AbstractContextManager:
         self.root.set_microbatch(is_first, is_last)
@@ -210,9 +246,11 @@ def build(cfg: Config, args: ModelArgs, microbatches: int, mesh: ParallelMesh) -
     init_weights(model, args, SEED)
     rank_tokens = microbatches * args.max_seq_len
     if cfg.kind == "ours":
-        return Ours(model, mesh, cfg.reshard, rank_tokens * WORLD)
+        return Ours(model, mesh, cfg, rank_tokens * WORLD)
     if cfg.kind == "fsdp2":
         return FSDP2(model, cfg.reshard, rank_tokens)
+    if cfg.kind == "limit":
+        return Runner(model, rank_tokens)
     return DDP(model, rank_tokens)
 
 
@@ -224,13 +262,14 @@ def rank_batch(args: ModelArgs, microbatches: int, step: int, rank: int) -> list
     return [(t[None, :-1], t[None, 1:]) for t in mine]
 
 
-def timed_step(runner: Runner, batch: list) -> tuple[float, float, dict]:
-    """(seconds, local loss sum, comm) of one step, ranks aligned by a barrier outside the timing."""
+def timed_step(runner: Runner, batch: list) -> tuple[tuple[float, float, float | None], float, dict]:
+    """((step s, forward+backward s, comm wait s), local loss sum, comm) of one step, ranks aligned by a
+    barrier outside the timing."""
     dist.barrier()
     runner.reset_comm()
     start = time.perf_counter()
     loss = runner.step(batch)
-    return time.perf_counter() - start, loss, runner.comm()
+    return (time.perf_counter() - start, runner.forward_backward_s, runner.comm_wait_s()), loss, runner.comm()
 
 
 # --- phase 1: interleaved timing in one set of processes ------------------------------------------
@@ -258,10 +297,15 @@ def time_all(rank: int, world: int, args: ModelArgs, microbatches: int, warmup: 
     return {"times": slowest_rank(gathered), "losses": global_losses(gathered, args, microbatches), "comm": comms}
 
 
-def slowest_rank(gathered: list) -> dict[Config, list[list[float]]]:
-    """Per configuration, round and step: the max over ranks."""
+def slowest_rank(gathered: list) -> dict[Config, list[list[tuple]]]:
+    """Per configuration, round and step: (step, forward+backward, comm wait) times, each the max over
+    ranks (None where not measured)."""
     per_rank = [times for times, _ in gathered]
-    return {cfg: [[max(ts) for ts in zip(*rounds)] for rounds in zip(*(t[cfg] for t in per_rank))]
+
+    def worst(samples: tuple) -> tuple:
+        return tuple(None if part[0] is None else max(part) for part in zip(*samples))
+
+    return {cfg: [[worst(ts) for ts in zip(*rounds)] for rounds in zip(*(t[cfg] for t in per_rank))]
             for cfg in CONFIGS}
 
 
@@ -291,9 +335,15 @@ def reference_of(cfg: Config) -> Config:
     return Config("fsdp2", cfg.reshard)
 
 
-def ratio(times: dict[Config, list[list[float]]], cfg: Config) -> float:
-    ref = times[reference_of(cfg)]
-    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(times[cfg], ref))
+def ratio(times: dict[Config, list[list[tuple]]], cfg: Config, reference: Config, part: int = 0) -> float:
+    """Median over rounds of the per-round ratio of median times (part 0: step, 1: forward+backward)."""
+    return statistics.median(statistics.median(s[part] for s in a) / statistics.median(s[part] for s in b)
+                             for a, b in zip(times[cfg], times[reference]))
+
+
+def median_ms(times: list[list[tuple]], part: int) -> str:
+    values = [s[part] for rnd in times for s in rnd]
+    return "-" if values[0] is None else f"{statistics.median(values) * 1e3:.1f}"
 
 
 def comm_cell(ops: dict[str, dict[str, int]]) -> tuple[str, str]:
@@ -304,17 +354,21 @@ def comm_cell(ops: dict[str, dict[str, int]]) -> tuple[str, str]:
 
 def table(timing: dict, memory: dict[Config, dict]) -> str:
     lines = [
-        "| config | step ms (median) | vs FSDP2 same reshard | comm MiB/step | collectives/step "
-        "| peak RSS MiB (max rank) | RSS increment MiB | loss, last step |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        "| config | step ms | fwd+bwd ms | comm wait ms | step vs FSDP2 same reshard | fwd+bwd vs limit "
+        "| comm MiB/step | collectives/step | peak RSS MiB (max rank) | RSS increment MiB | loss, last step |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
+    times = timing["times"]
     for cfg in CONFIGS:
-        flat = [t for rnd in timing["times"][cfg] for t in rnd]
         mib, counts = comm_cell(timing["comm"][cfg])
         mem = memory[cfg]
+        vs_fsdp2 = f"{ratio(times, cfg, reference_of(cfg)):.3f}" if cfg.kind in ("ours", "fsdp2") else "-"
+        if cfg.kind == "ddp":
+            vs_fsdp2 = f"{ratio(times, cfg, Config('fsdp2', False)):.3f} (vs reshard=False)"
         lines.append(
-            f"| {cfg.label} | {statistics.median(flat) * 1e3:.1f} | {ratio(timing['times'], cfg):.3f} | {mib} "
-            f"| {counts} | {mem['peak']:.0f} | {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
+            f"| {cfg.label} | {median_ms(times[cfg], 0)} | {median_ms(times[cfg], 1)} | {median_ms(times[cfg], 2)} "
+            f"| {vs_fsdp2} | {ratio(times, cfg, Config('limit'), part=1):.3f} | {mib} | {counts} | {mem['peak']:.0f} "
+            f"| {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
         )
     return "\n".join(lines)
 

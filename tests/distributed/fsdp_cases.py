@@ -48,14 +48,18 @@ def reference_params(steps: int) -> dict[str, torch.Tensor]:
 
 
 def train_fsdp(cfg: FSDPConfig, shard_group, replicate_group, dp_rank: int, dp_size: int, microbatches: int,
-               steps: int, on_step=None, prepare=None, tp: TPContext | None = None) -> tuple[FSDPRoot, list[float]]:
+               steps: int, on_step=None, prepare=None, tp: TPContext | None = None,
+               on_root=None) -> tuple[FSDPRoot, list[float]]:
     """FSDP (over TP-local parameters when `tp` is given) with this rank's slice of each global
-    batch, in `microbatches` pieces. `prepare(model)` runs before sharding (e.g. checkpointing)."""
+    batch, in `microbatches` pieces. `prepare(model)` runs before sharding (e.g. checkpointing),
+    `on_root(root)` after it."""
     model = make_model(tp)
     if prepare is not None:
         prepare(model)
     tp_groups = TPGroups(tp.group, tp.sequence_parallel) if tp is not None else None
     root = fully_shard(model, UNITS, shard_group, replicate_group, cfg, tp_groups)
+    if on_root is not None:
+        on_root(root)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     per_rank = GLOBAL_BATCH // dp_size
     losses = []
