@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from scripts.compare_runs import main as compare_runs
 from tests.e2e.launch import losses, metrics, train_ok
 
 # Small and quick: tiny model, short sequences, a warmup short enough for the loss to move in 6 steps.
@@ -106,8 +107,15 @@ def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
             assert math.isclose(loss, straight[step], rel_tol=1e-5), (name, step, loss, straight[step])
 
 
-def test_deterministic_runs_are_bitwise_identical(tmp_path):
+def test_deterministic_runs_are_bitwise_identical(tmp_path, capsys):
+    """Two runs compare bitwise equal; the same comparison catches a run perturbed by one part in 1e7
+    of the LR (so it is not equality by construction, e.g. of two copies of one file)."""
     args = (*FAST, "steps=4", "batch_size=4", "microbatch_size=2", "enable_deterministic_training=true")
     first = losses(train_ok(2, tmp_path / "a", *args))
     second = losses(train_ok(2, tmp_path / "b", *args))
     assert first == second
+    train_ok(2, tmp_path / "perturbed", *args, "optim.lr=1.0000001e-2")
+    assert compare_runs([str(tmp_path / "a"), str(tmp_path / "b"), "--brief"]) == 0
+    assert compare_runs([str(tmp_path / "a"), str(tmp_path / "perturbed"), "--brief"]) == 1
+    verdicts = capsys.readouterr().out.splitlines()
+    assert verdicts[0].startswith("bitwise equal over 4 steps") and "max rel diff" in verdicts[1], verdicts
