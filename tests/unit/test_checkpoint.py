@@ -5,20 +5,12 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer.checkpoint import (
     MANIFEST, CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
     verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def state(seed: int) -> dict:

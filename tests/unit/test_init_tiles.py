@@ -3,9 +3,7 @@ of a large model draws about its own share, never the unsliced parameters."""
 
 import time
 
-import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import model.init as init
@@ -59,13 +57,6 @@ def test_every_layout_reassembles_the_same_full_weights():
 def test_tiles_are_a_truncated_normal_of_the_configured_std():
     value = init.full_init_value("layers.0.attention.wqkv.weight", torch.Size([512, 512]), ARGS, 0)
     assert value.abs().max() <= 3 * 0.02 and abs(value.std().item() - 0.02 * 0.986) < 5e-4  # std of N truncated at 3
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_a_rank_of_llama3_70b_draws_only_its_share(world, monkeypatch):

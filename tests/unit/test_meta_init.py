@@ -1,9 +1,7 @@
 """A model built on the meta device and initialized unit by unit while FSDP shards it holds exactly
 the weights of an eagerly initialized model: the path the trainer uses for every model size."""
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from model.args import ModelArgs
 from model.init import init_weights, local_init_value
@@ -13,13 +11,6 @@ from parallel.tensor_parallel import TPContext
 
 ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 UNITS = ["tok_embeddings", "layers.0", "layers.1", "head"]
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_meta_model_materialized_per_unit_equals_eager_init(world):

@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
@@ -77,13 +76,6 @@ def test_boxes_cover_every_full_parameter_exactly_once(tp, world):
 def test_boxes_of_a_shard_without_padding_or_parameters():
     spec = FlatParamSpec(("a",), (torch.Size([3]),), world=4)  # shard size 1: rank 3 holds only padding
     assert shard_boxes(spec, 3, (TPSplit(),), 0, 1) == {}
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_a_checkpoint_of_one_layout_loads_into_the_shards_of_another(tmp_path, world):
