@@ -84,13 +84,13 @@ class CommLedger:
         self.where.clear()
 
     def describe(self, op: str, group: ProcessGroup | None, label: str) -> str:
-        """The op, group, step and place of a collective, for a one-line error."""
+        """The op (of what: its label, e.g. the FSDP unit), group, step and where the rank was, for a
+        one-line error."""
+        what = op.removeprefix("wait ") + (f" of {label}" if label else "")
         places = [self.where[k] for k in ("stage", "unit") if k in self.where] or list(self.where.values())
-        if label and not any(label in place for place in places):
-            places.append(label)
         places.insert(0, f"step {self.step}" if self.step is not None else "before the first step")
         limit = f" within comm_timeout_s={self.timeout_s:g}" if self.timeout_s is not None else ""
-        return f"{op} on group {group_name(group)} did not complete{limit} ({', '.join(places)})"
+        return f"{what} on group {group_name(group)} did not complete{limit} ({', '.join(places)})"
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """{op: {count, bytes}} summed over groups: the `comm` field of metrics.jsonl."""
