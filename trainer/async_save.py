@@ -33,9 +33,9 @@ class _InFlight:
 
 class AsyncCheckpointer:
     def __init__(self, root: Path, group: ProcessGroup, save_group: Callable[[], ProcessGroup], rank: int,
-                 keep: int, extra_files: dict[str, Path], log: Callable[[str], None]):
+                 keep: int, extra_files: dict[str, Path], log: Callable[[str], None], device: torch.device):
         """`save_group()` gives the background writes' own process group (created on first use)."""
-        self.root, self.group, self.save_group, self.rank = root, group, save_group, rank
+        self.root, self.group, self.save_group, self.rank, self.device = root, group, save_group, rank, device
         self.keep, self.extra_files, self.log = keep, extra_files, log
         self.in_flight: _InFlight | None = None
 
@@ -65,7 +65,9 @@ class AsyncCheckpointer:
         """At a step boundary: complete the save in flight if every rank has written its part."""
         if self.in_flight is None:
             return
-        flag = torch.tensor([1.0 if self.in_flight.done.is_set() else 0.0])
+        # On the training device: the main group may be NCCL, which reduces device tensors only (the
+        # checkpoint group is busy with the background write's own collectives).
+        flag = torch.tensor([1.0 if self.in_flight.done.is_set() else 0.0], device=self.device)
         comm.all_reduce(flag, self.group, op=ReduceOp.MIN, label="async save done")
         if flag.item() == 1.0:
             self._complete()

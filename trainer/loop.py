@@ -68,7 +68,6 @@ class Trainer:
         comm.set_phase("gradient sync, norm and optimizer step")
         for root in self.roots:
             root.finish_gradient_sync()
-        update_scaling(self.fp8_gemms, self.mesh.group("dp_cp_tp"))
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
         loss_group = self.mesh.group("pp_dp_cp")
         if loss_group.size() > 1:  # the last stage's sums over its data; other stages add zero
@@ -77,9 +76,11 @@ class Trainer:
         lr = lr_at(step, self.cfg.steps, self.cfg.optim)
         # Every rank holds the same reduced loss and norm: all ranks take the same branch.
         if math.isfinite(norm) and math.isfinite(loss):
+            update_scaling(self.fp8_gemms, self.mesh.group("dp_cp_tp"))
             clip_grads(self.optimizer.grads(), norm, self.cfg.optim.clip_grad_norm)
             self.optimizer.step(lr)
         elif self.cfg.nan_policy == "skip":
+            discard_step_amaxes(self.fp8_gemms)  # a skipped step's (non-finite) amaxes never enter the history
             self.skipped_steps += 1
         else:
             unit = first_nonfinite_unit(self.roots, self.mesh.rank_in("pp"), self.mesh.dims.pp)

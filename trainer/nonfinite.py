@@ -38,7 +38,7 @@ def halt_message(step: int, loss: float, grad_norm: float, unit: str | None) -> 
 @torch.no_grad()
 def weights_finite(roots: list[FSDPRoot], group: ProcessGroup | None) -> bool:
     """Whether every rank's weight shards are finite (one all-reduce): checked before a checkpoint."""
-    bad = torch.zeros(1)
+    bad = torch.zeros(1, device=roots[0].units[0].flat_param.device)  # NCCL reduces device tensors only
     for root in roots:
         for unit in root.units:
             if not torch.isfinite(unit.flat_param).all():

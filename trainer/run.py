@@ -198,7 +198,8 @@ def _fit(
                              trainer.roots, trainer.optimizer)
     stop = StopOnSignal(cfg.stop_signal, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
     background = AsyncCheckpointer(ckpt_root, dist.group.WORLD, trainer.mesh.checkpoint_group, rank,
-                                   cfg.checkpoint.keep, extra_files, log) if cfg.checkpoint.async_save else None
+                                   cfg.checkpoint.keep, extra_files, log, trainer.device) \
+        if cfg.checkpoint.async_save else None
     for step in range(start_step + 1, cfg.steps + 1):
         with profiler.step(step), memory.recording(step):
             m = trainer.train_step(step)
