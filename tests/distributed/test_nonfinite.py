@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from model.fp8 import fp8_gemms
 from tests.distributed.pipeline_cases import config, make_trainer
 from tests.distributed.spawn import run_ranks
 
@@ -54,5 +55,36 @@ def _check(rank: int, world: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(trainer)))
 
 
+def _check_fp8_skip(rank: int, world: int) -> None:
+    """A skipped step's amaxes (here one rank's NaN) never enter the fp8 history: the scaling state after
+    the skipped step is the one before it, finite, and the next steps scale on."""
+    model = {"n_layers": 4, "dim": 32, "n_heads": 2, "n_kv_heads": 2, "use_fp8": True}
+    trainer = make_trainer(config(model=model, batch_size=2, microbatch_size=2, steps=4, nan_policy="skip"), world)
+    _inject_nan(trainer, rank)
+    gemms = fp8_gemms(trainer.chunks)
+    finish = trainer.roots[0].finish_gradient_sync
+
+    def finish_with_nan_amax() -> None:
+        finish()
+        if trainer_steps["n"] == NAN_STEP and rank == NAN_RANK:
+            gemms[0].amax_history[0, 2] = float("nan")  # this step's output-gradient amax
+
+    trainer_steps = {"n": 0}
+    trainer.roots[0].finish_gradient_sync = finish_with_nan_amax
+    for step in (1, 2, 3, 4):
+        trainer_steps["n"] = step
+        before = [torch.cat([g.scale, g.amax_history.flatten()]) for g in gemms]
+        metrics = trainer.train_step(step)
+        after = [torch.cat([g.scale, g.amax_history.flatten()]) for g in gemms]
+        assert all(torch.isfinite(a).all() for a in after), step
+        if step == NAN_STEP:
+            assert metrics.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert metrics.skipped_steps == 1
+
+
 def test_nan_policy_skip_and_halt():
     run_ranks(2, _check)
+
+
+def test_a_skipped_step_leaves_fp8_scaling_untouched():
+    run_ranks(2, _check_fp8_skip)
