@@ -17,7 +17,7 @@ from model.args import ModelArgs
 from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
-from parallel.fsdp.state_dict import Box, shard_boxes
+from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
 from parallel.fsdp.unit import FSDPUnit
 
 KEY = "checkpoint.init_from_hf"
@@ -111,8 +111,7 @@ def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
     local = unit.flat_param.detach()
     boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
     for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
-        full_rows = shape[0] * (unit.tp.size if split.dim == 0 else 1)
-        parts = split.parts or (full_rows,)
+        parts = split.parts or (full_shape(tuple(shape), split, unit.tp.size)[0],)
         for box in boxes.get(param, []):
             view = local[box.start : box.start + box.numel].view(box.sizes)
             _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
