@@ -200,11 +200,14 @@ class FSDPUnit:
     def install_views(self) -> None:
         """Point the module's parameters at views of the unsharded flat parameter.
 
-        When the gradient is reduced now (or without optimize_backward_concat) the views stay connected
-        to `_full`, so their gradients are concatenated once into `_full.grad`. Otherwise each view's
-        gradient lands in its own leaf and is added to the fp32 accumulator by a hook, with no concat.
+        Connected views have their gradients concatenated into `_full.grad` (one SplitWithSizesBackward).
+        With optimize_backward_concat that happens once per step, on the first microbatch: its flat
+        gradient becomes the fp32 accumulator (no zero-filled buffer), and on the later microbatches each
+        view's gradient lands in its own leaf and a hook adds it in place into the accumulator, with no
+        concat. Without the option, or when every microbatch reduces its own gradient
+        (grad_reduce=per_microbatch), the views are connected on every microbatch.
         """
-        if self.reduces_now or not self.cfg.optimize_backward_concat:
+        if self.is_first_microbatch or not self.cfg.optimize_backward_concat or self.cfg.grad_reduce != "per_step":
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self).views
@@ -243,5 +246,7 @@ class _DetachedViews:
             self.views.append(chunk.view(shape))
 
     def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
+        if self.unit.reduces_now and self.unit.ticket.done:  # the accumulator was already reduced
+            raise RuntimeError(f"FSDP unit {self.unit.name}: a gradient arrived after the unit's backward ended")
         accumulate_unsharded(self.unit, chunk.grad, offset)
         chunk.grad = None
