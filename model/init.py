@@ -4,17 +4,20 @@ A parameter's full value is cut into fixed tiles (TILE x TILE for matrices, TILE
 vectors); each tile is drawn from its own generator, seeded by (seed, parameter name, tile index).
 So the same seed yields the same full weights whatever the tp/pp/cp/dp layout and build order, and a
 rank materializes its TP slice by drawing just the tiles that slice overlaps: within one tile per edge
-of what it keeps, never the whole (unsliced) parameter. Values are drawn on the CPU (one generator
+of what it keeps, never the whole (unsliced) parameter; under FSDP a rank draws only the boxes of its
+shard (`init_box`), about 1/(tp x dp) of the model. Values are drawn on the CPU (one generator
 everywhere, so CPU and CUDA runs start from the same weights) and moved to the device by the caller.
 """
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from model.args import ModelArgs
+from model.fp8 import initial_buffer
 from parallel.tensor_parallel import TPContext
 
 _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
@@ -74,6 +77,15 @@ def init_region(name: str, shape: torch.Size, region: tuple[slice, ...], args: M
     return out
 
 
+def init_box(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], args: ModelArgs,
+             seed: int) -> torch.Tensor:
+    """The box [offsets, offsets + sizes) of parameter `name`'s full initial value (full shape `shape`)."""
+    if any(o or s != n for o, s, n in zip(offsets[2:], sizes[2:], shape[2:])):
+        raise ValueError(f"{name}: boxes must span every dim after the first two, got {offsets} + {sizes}")
+    region = tuple(slice(o, o + s) for o, s in zip(offsets[:2], sizes[:2]))
+    return init_region(name, torch.Size(shape), region, args, seed)
+
+
 def _product(ranges: list[range]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for r in ranges:
@@ -129,3 +141,20 @@ def init_weights(model: nn.Module, args: ModelArgs, seed: int, tp: TPContext | N
     tp = tp or TPContext()
     for name, param in model.named_parameters():
         param.copy_(local_init_value(name, param, args, seed, tp))
+
+
+@dataclass(frozen=True)
+class ModelInitializer:
+    """The initial values of a model built on the meta device, as FSDP asks for them unit by unit
+    (parallel.fsdp.Initializer): parameter boxes drawn tile by tile, buffers at their starting values."""
+
+    args: ModelArgs
+    seed: int
+    device: torch.device
+
+    def parameter_box(self, name: str, full_shape: tuple[int, ...], offsets: tuple[int, ...],
+                      sizes: tuple[int, ...]) -> torch.Tensor:
+        return init_box(name, full_shape, offsets, sizes, self.args, self.seed).to(self.device)
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return initial_buffer(name, like).to(self.device)

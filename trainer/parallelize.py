@@ -7,8 +7,7 @@ order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces ov
 
 import torch
 
-from model.fp8 import initial_buffer
-from model.init import local_init_value
+from model.init import ModelInitializer
 from model.transformer import Transformer
 from parallel.checkpointing import checkpoint_forward
 from parallel.context_parallel import CPContext
@@ -64,15 +63,9 @@ def parallelize(
     model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
 ) -> FSDPRoot:
     """Activation checkpointing, then FSDP over the TP-local parameters of a model built on the meta
-    device: each unit's parameters get their (layout-independent) initial values only while that unit
-    is flattened and sharded, so no rank ever holds the whole unsharded model."""
+    device: each rank draws the (layout-independent) initial values of its own shard of each unit
+    only, so building never holds a whole unsharded unit, let alone the model."""
     apply_activation_checkpointing(model, cfg.model.layer_ckpt)
-    args = cfg.model_args()
-
-    def materialize(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, torch.nn.Parameter):
-            return local_init_value(name, tensor, args, cfg.seed, model.tp).to(device)
-        return initial_buffer(name, tensor).to(device)
 
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,
@@ -84,4 +77,5 @@ def parallelize(
     )
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)
-    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp, materialize)
+    return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp,
+                       ModelInitializer(cfg.model_args(), cfg.seed, device))

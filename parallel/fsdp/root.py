@@ -12,7 +12,7 @@ from torch.distributed import ProcessGroup
 from parallel import comm
 from parallel.fsdp.reductions import ReductionQueue
 from parallel.fsdp.hooks import register_hooks
-from parallel.fsdp.unit import FSDPConfig, FSDPUnit, Materialize, TPGroups, UnitState
+from parallel.fsdp.unit import FSDPConfig, FSDPUnit, Initializer, TPGroups, UnitState
 
 
 class FSDPRoot:
@@ -79,20 +79,14 @@ def grad_norm(roots: list[FSDPRoot], groups: list[ProcessGroup]) -> float:
 
 def fully_shard(
     model: nn.Module, unit_names: list[str], shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-    cfg: FSDPConfig, tp: TPGroups | None = None, materialize: Materialize | None = None,
+    cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None,
 ) -> FSDPRoot:
     """Turn each named submodule (forward order) into an FSDP unit; every parameter must be in one.
     Parameters are the TP-local ones; those marked `tp_dim=None` (or unmarked) are TP-replicated.
-    For a model built on the meta device, `materialize(full parameter name, meta param)` gives each
-    value as its unit is flattened."""
-
-    def unit_materialize(unit_name: str) -> Materialize | None:
-        return None if materialize is None else (lambda n, p: materialize(f"{unit_name}.{n}", p))
-
-    units = [
-        FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp, unit_materialize(name))
-        for name in unit_names
-    ]
+    For a model built on the meta device, `init` gives the initial value of the boxes each rank's shard
+    holds, unit by unit (see FSDPUnit)."""
+    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp, init)
+             for name in unit_names]
     stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
     if stray:
         raise ValueError(f"parameters outside every FSDP unit: {', '.join(stray)}")

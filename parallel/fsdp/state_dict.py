@@ -7,12 +7,14 @@ the concatenated TP-local parameters; each parameter's part of that range splits
 full parameter (TP rank r's slice of a split dim starts at r x the local size, part by part for fused
 parameters). DCP records every box at its offset, so any other layout (tp, pp, dp, cp) reads back the
 boxes it owns, wherever they were written. No collective is needed to describe the layout: every
-rank derives its boxes from the flat spec, its shard rank and its TP rank.
+rank derives its boxes from the flat spec, its shard rank and its TP rank. The same boxes let a rank
+build its initial shard from the full parameters' values without the rest of them (`fill_shard`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +112,21 @@ def shard_boxes(spec: FlatParamSpec, shard_rank: int, splits: tuple[TPSplit, ...
                 boxes.setdefault(name, []).append(Box(offsets, full_sizes, start + skip))
             start += math.prod(sizes)
     return boxes
+
+
+BoxValue = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+
+def fill_shard(shard: torch.Tensor, spec: FlatParamSpec, shard_rank: int, splits: tuple[TPSplit, ...], tp_rank: int,
+               tp_size: int, box_value: BoxValue) -> torch.Tensor:
+    """Write every box of this rank's shard from `box_value(name, full shape, offsets, sizes)`, the box of
+    the full parameter's value: what a rank keeps, built without the rest of the (TP-local) parameter."""
+    boxes = shard_boxes(spec, shard_rank, splits, tp_rank, tp_size)
+    for name, shape, split in zip(spec.names, spec.shapes, splits):
+        size = full_shape(tuple(shape), split, tp_size)
+        for box in boxes.get(name, []):
+            shard[box.start : box.start + box.numel] = box_value(name, size, box.offsets, box.sizes).reshape(-1)
+    return shard
 
 
 class BoxedParameter(torch.Tensor):

@@ -11,7 +11,6 @@ concat (SplitWithSizesBackward) into `_full.grad`. Resharding frees the buffer's
 views keep aliasing it, so re-gathering before backward makes them valid again.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 from functools import partial
@@ -27,10 +26,20 @@ from parallel.fsdp.flat_param import (
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of
 from parallel.fsdp.grad_sync import accumulate_unsharded
-from parallel.fsdp.state_dict import TPSplit
+from parallel.fsdp.state_dict import TPSplit, fill_shard
 
 
-Materialize = Callable[[str, torch.Tensor], torch.Tensor]
+class Initializer(Protocol):
+    """Initial values for a model built on the meta device, by full parameter / buffer name."""
+
+    device: torch.device
+
+    def parameter_box(self, name: str, full_shape: tuple[int, ...], offsets: tuple[int, ...],
+                      sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box [offsets, offsets + sizes) of the full (TP-merged) parameter's initial value."""
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A buffer's initial value (e.g. fp8 scaling state)."""
 
 
 class UnitState(Enum):
@@ -77,10 +86,10 @@ class MicrobatchAware(Protocol):
 class FSDPUnit:
     def __init__(
         self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-        cfg: FSDPConfig, tp: TPGroups | None = None, materialize: Materialize | None = None,
+        cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None,
     ):
-        """`materialize(name, tensor)` gives the value of a parameter or buffer built on the meta device
-        (name relative to the unit's module), so only one unit's unsharded parameters ever exist at a time."""
+        """`name` is the module's path in the model. A module built on the meta device gets its values from
+        `init`: each rank builds only its own shard, asking for the boxes of the full parameters it holds."""
         self.name, self.module, self.cfg = name, module, cfg
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.tp = tp or TPGroups()
@@ -95,12 +104,12 @@ class FSDPUnit:
             (offset, p.numel()) for offset, p, split in zip(self.spec.offsets(), params, self.tp_splits)
             if split.dim is None
         ]
-        values = params if materialize is None else [materialize(n, p) for n, p in zip(self.spec.names, params)]
-        self.flat_param = nn.Parameter(shard_of(flatten(values, self.spec), self.spec, self.rank))
+        self.flat_param = nn.Parameter(self._initial_shard(init) if init is not None
+                                       else shard_of(flatten(params, self.spec), self.spec, self.rank))
         for sub, attr in owners:
             del sub._parameters[attr]
         module.register_parameter("flat_param", self.flat_param)
-        _materialize_buffers(module, materialize)
+        _materialize_buffers(name, module, init)
         self._owners = owners
         self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
@@ -120,6 +129,11 @@ class FSDPUnit:
         self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
         self.pending_grad: torch.Tensor | None = None  # a flat gradient to reduce at the backward's end
         self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
+
+    def _initial_shard(self, init: Initializer) -> torch.Tensor:
+        shard = torch.zeros(self.spec.shard_size, device=init.device)
+        return fill_shard(shard, self.spec, self.rank, self.tp_splits, self.tp.rank, self.tp.size,
+                          lambda param, *box: init.parameter_box(f"{self.name}.{param}", *box))
 
     @property
     def full(self) -> torch.Tensor:
@@ -219,14 +233,14 @@ class FSDPUnit:
             setattr(sub, attr, view)
 
 
-def _materialize_buffers(module: nn.Module, materialize: Materialize | None) -> None:
+def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | None) -> None:
     """Buffers (e.g. fp8 scaling state) of a module built on the meta device get their initial values."""
     for name, buf in list(module.named_buffers()):
         if buf.is_meta:
-            if materialize is None:
-                raise ValueError(f"buffer {name} is on the meta device and nothing materializes it")
+            if init is None:
+                raise ValueError(f"buffer {unit_name}.{name} is on the meta device and nothing initializes it")
             owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._buffers[attr] = materialize(name, buf)
+            module.get_submodule(owner)._buffers[attr] = init.buffer(f"{unit_name}.{name}", buf)
 
 
 class _DetachedViews:

@@ -1,5 +1,6 @@
-"""Initialization draws per tile: every layout reassembles the same full weights, bitwise, and a rank
-of a large model draws about its own share, never the unsliced parameters."""
+"""Initialization draws per tile: every layout reassembles the same full weights, bitwise, a shard built
+from its boxes alone equals the shard of the TP-local values, and a rank of a large model draws about
+its own share (TP slice and FSDP shard), never the unsliced parameters."""
 
 import time
 
@@ -11,7 +12,7 @@ from model.args import ModelArgs
 from model.transformer import Transformer
 from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
-from parallel.fsdp.state_dict import TPSplit, boxed_parameters
+from parallel.fsdp.state_dict import TPSplit, boxed_parameters, fill_shard
 from parallel.tensor_parallel import TPContext
 from tests.e2e.launch import REPO
 from trainer.config import from_dict
@@ -37,6 +38,9 @@ def reassembled(tp: int, dp: int) -> dict[str, torch.Tensor]:
             flat = flatten(values, spec)
             for shard_rank in range(dp):
                 shard = shard_of(flat, spec, shard_rank)
+                drawn_alone = fill_shard(torch.zeros(spec.shard_size), spec, shard_rank, splits, tp_rank, tp,
+                                         lambda n, *box: init.init_box(f"{unit}.{n}", *box, ARGS, 9))
+                assert torch.equal(drawn_alone, shard), (tp, dp, unit, shard_rank)
                 for name, boxed in boxed_parameters(unit, spec, splits, shard_rank, tp_rank, tp, shard).items():
                     target = full.setdefault(name, torch.full(boxed.shape, float("nan")))
                     for offsets, view in boxed._views.items():
@@ -59,24 +63,51 @@ def test_tiles_are_a_truncated_normal_of_the_configured_std():
     assert value.abs().max() <= 3 * 0.02 and abs(value.std().item() - 0.02 * 0.986) < 5e-4  # std of N truncated at 3
 
 
+LLAMA3_70B = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "llama3_70b.yaml")) | {"n_layers": 2}
+
+
+def _counting_draws(monkeypatch) -> list[int]:
+    drawn: list[int] = []
+    draw_tile = init._draw_tile
+    monkeypatch.setattr(init, "_draw_tile", lambda *a: _counted(draw_tile, drawn, *a))
+    return drawn
+
+
 def test_a_rank_of_llama3_70b_draws_only_its_share(world, monkeypatch):
     """llama3_70b with 2 layers, TP rank 3 of 8, built on the meta device and sharded by FSDP (one
     process simulating the rank): at most 2x its own parameter count is drawn."""
-    raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "llama3_70b.yaml")) | {"n_layers": 2}
-    args = from_dict({"model": raw, "seq_len": 128}).model_args()
-    drawn = []
-    draw_tile = init._draw_tile
-    monkeypatch.setattr(init, "_draw_tile", lambda *a: _counted(draw_tile, drawn, *a))
+    args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model_args()
+    drawn = _counting_draws(monkeypatch)
     tp = TPContext(size=8, rank=3)
     start = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(args, tp)
     own = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("norm.weight"))
     fully_shard(model, fsdp_unit_names(model), world, None, FSDPConfig(),
-                materialize=lambda n, p: init.local_init_value(n, p, args, 0, tp))
+                init=init.ModelInitializer(args, 0, torch.device("cpu")))
     seconds = time.perf_counter() - start
     print(f"llama3_70b (2 layers), TP rank 3 of 8: drew {sum(drawn) / own:.4f}x its {own:,} parameters in {seconds:.1f} s")
-    assert own < sum(drawn) <= 2 * own
+    assert own <= sum(drawn) <= 2 * own
+
+
+def test_an_fsdp_shard_of_llama3_70b_draws_only_its_share(monkeypatch):
+    """The same model on TP rank 3 of 8 and FSDP shard rank 5 of 8 (its shards built as FSDPUnit builds
+    them): at most 2x the shard's own elements are drawn, 1/8 of the TP rank's parameters."""
+    args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model_args()
+    drawn = _counting_draws(monkeypatch)
+    tp_rank, tp, dp, shard_rank = 3, 8, 8, 5
+    with torch.device("meta"):
+        model = Transformer(args, TPContext(size=tp, rank=tp_rank))
+    own = 0
+    for unit in fsdp_unit_names(model):
+        module = model.get_submodule(unit)
+        spec = FlatParamSpec.of_module(module, dp)
+        splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for p in module.parameters())
+        fill_shard(torch.zeros(spec.shard_size), spec, shard_rank, splits, tp_rank, tp,
+                   lambda n, *box: init.init_box(f"{unit}.{n}", *box, args, 0))
+        own += spec.valid_in_shard(shard_rank)
+    print(f"llama3_70b (2 layers), TP rank 3 of 8, shard 5 of 8: drew {sum(drawn) / own:.4f}x its {own:,} elements")
+    assert own / 2 < sum(drawn) <= 2 * own
 
 
 def _counted(draw_tile, drawn: list, *args):
