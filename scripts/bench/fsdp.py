@@ -1,4 +1,4 @@
-"""Our FSDP against PyTorch FSDP2 and DDP: step time, bytes communicated, peak RSS; dp=4 gloo ranks on CPU.
+"""Our FSDP against PyTorch FSDP2 and DDP: step time, bytes communicated, peak RSS; dp gloo ranks on CPU (4 unless --world).
 
 Each configuration steps the optimizer its users would use: ours the trainer's AdamW over the flat
 fp32 shards (four tensors for model=tiny), FSDP2, DDP and the limit row torch's AdamW with
@@ -7,7 +7,8 @@ backward time (up to gradients ready) is reported apart from the whole step, and
 the time ours spent blocked on communication (parallel.comm's exposed-comm clock; FSDP2 and DDP do not
 expose theirs). Ours also runs with its gradient reductions synchronous (`reductions_in_flight=0`) and
 with `grad_reduce=per_microbatch`. The limit row is the same per-rank work (model, microbatches,
-optimizer over the whole model) on each rank with no communication at all.
+optimizer over the whole model) on each rank with no communication at all; the "comm alone" row is the
+opposite: ours' ZeRO-3 collectives with no compute.
 
 Same model (conf/model/{tiny,small}.yaml), same weights, same data; fp32, 1 thread per rank, microbatch
 size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`;
@@ -19,7 +20,7 @@ microbatches) and in torch 2.13 it costs one wasted all-gather per step: the bac
 is only cleared on a last backward, so on the last microbatch the embedding's prefetch targets the
 previous microbatch's head, re-gathers it after its reshard, and finalize discards it.
 
-Timing: every configuration lives in the same 4 processes and they run interleaved by rounds (each
+Timing: every configuration lives in the same processes and they run interleaved by rounds (each
 round: K steps of each configuration, the order rotating per round), so machine noise hits them alike.
 A step's time is the slowest rank's; the table gives the median, and the ratio against FSDP2 with the
 same reshard setting is the median over rounds of per-round median ratios (DDP against FSDP2 without
@@ -38,7 +39,7 @@ processes, one spawn per configuration; the table gives the max over ranks of th
 increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline). The
 peak includes building the full model on every rank, as all three do.
 
-    python scripts/bench/fsdp.py [--model tiny|small] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
+    python scripts/bench/fsdp.py [--model tiny|small] [--world 4] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
 
 Ranks are spawned by the script itself (torch.multiprocessing, no torchrun).
 """
@@ -79,7 +80,6 @@ from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
-WORLD = 4
 SEED = 0
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 TORCH_LEDGER = comm.CommLedger()  # FSDP2's collectives, counted by the wrappers below
@@ -87,7 +87,7 @@ TORCH_LEDGER = comm.CommLedger()  # FSDP2's collectives, counted by the wrappers
 
 @dataclass(frozen=True)
 class Config:
-    kind: str  # "ours" | "fsdp2" | "ddp" | "limit"
+    kind: str  # "ours" | "fsdp2" | "ddp" | "limit" | "comm"
     reshard: bool = False
     grad_reduce: str = "per_step"  # ours only
     in_flight: int = 2  # ours only: gradient reductions overlapping the backward
@@ -96,6 +96,8 @@ class Config:
     def label(self) -> str:
         if self.kind in ("ddp", "limit"):
             return self.kind
+        if self.kind == "comm":
+            return "comm alone (ours reshard=True's collectives, no compute)"
         extra = (", sync reductions" if self.in_flight == 0 else "") + \
             (", per_microbatch" if self.grad_reduce != "per_step" else "")
         return f"{self.kind} reshard={self.reshard}{extra}"
@@ -103,7 +105,7 @@ class Config:
 
 CONFIGS = (Config("ours", False), Config("fsdp2", False), Config("ours", True), Config("fsdp2", True),
            Config("ours", True, in_flight=0), Config("ours", True, grad_reduce="per_microbatch"), Config("ddp"),
-           Config("limit"))
+           Config("limit"), Config("comm", True))
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
@@ -207,9 +209,27 @@ class Ours(Runner):
         return comm.LEDGER.by_op()
 
 
+class CommAlone(Ours):
+    """Ours with reshard=True minus the compute: per microbatch each unit gathered for its forward and
+    again for its backward, then one reduce-scatter per unit, same sizes and order. What the transport
+    costs on its own here: with no idle core it adds to the compute instead of hiding behind it."""
+
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        start, units = time.perf_counter(), self.root.units
+        for _ in microbatches:
+            for unit in [*units, *reversed(units)]:
+                unit.unshard()
+                unit.reshard()
+        for unit in reversed(units):
+            shard = torch.empty(unit.spec.shard_size)
+            comm.reduce_scatter_tensor(shard, torch.zeros(unit.spec.padded), unit.shard_group, label=unit.name)
+        self.forward_backward_s = time.perf_counter() - start
+        return 0.0
+
+
 class FSDP2(Runner):
     def __init__(self, model: Transformer, reshard: bool, rank_tokens: int):
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for name in unit_names(model):
             fsdp2_fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
         fsdp2_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -245,8 +265,9 @@ def build(cfg: Config, args: ModelArgs, microbatches: int, mesh: ParallelMesh) -
     model = Transformer(args)
     init_weights(model, args, SEED)
     rank_tokens = microbatches * args.max_seq_len
-    if cfg.kind == "ours":
-        return Ours(model, mesh, cfg, rank_tokens * WORLD)
+    if cfg.kind in ("ours", "comm"):
+        runner = Ours if cfg.kind == "ours" else CommAlone
+        return runner(model, mesh, cfg, rank_tokens * dist.get_world_size())
     if cfg.kind == "fsdp2":
         return FSDP2(model, cfg.reshard, rank_tokens)
     if cfg.kind == "limit":
@@ -257,7 +278,7 @@ def build(cfg: Config, args: ModelArgs, microbatches: int, mesh: ParallelMesh) -
 def rank_batch(args: ModelArgs, microbatches: int, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's microbatches (size 1) of the step's global batch."""
     gen = torch.Generator().manual_seed(SEED + step)
-    tokens = torch.randint(0, args.vocab_size, (WORLD * microbatches, args.max_seq_len + 1), generator=gen)
+    tokens = torch.randint(0, args.vocab_size, (dist.get_world_size() * microbatches, args.max_seq_len + 1), generator=gen)
     mine = tokens[rank * microbatches : (rank + 1) * microbatches]
     return [(t[None, :-1], t[None, 1:]) for t in mine]
 
@@ -310,7 +331,7 @@ def slowest_rank(gathered: list) -> dict[Config, list[list[tuple]]]:
 
 
 def global_losses(gathered: list, args: ModelArgs, microbatches: int) -> dict[Config, float]:
-    tokens = WORLD * microbatches * args.max_seq_len
+    tokens = len(gathered) * microbatches * args.max_seq_len
     return {cfg: sum(losses[cfg] for _, losses in gathered) / tokens for cfg in CONFIGS}
 
 
@@ -376,6 +397,7 @@ def table(timing: dict, memory: dict[Config, dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--world", type=int, default=4, help="data-parallel gloo ranks")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
@@ -387,9 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     if opts.quick:
         opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps = 1, 2, 1, 1
     args = model_args(opts.model, opts.seq)
-    timing = spawn(WORLD, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
-    memory = {cfg: spawn(WORLD, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
-    print(f"model {opts.model}, dp={WORLD} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
+    timing = spawn(opts.world, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
+    memory = {cfg: spawn(opts.world, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
+    print(f"model {opts.model}, dp={opts.world} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
           f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
           f"after {opts.warmup} warmup; torch {torch.__version__}\n")
     print(table(timing, memory))
