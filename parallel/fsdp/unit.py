@@ -104,6 +104,14 @@ class FSDPUnit:
             (offset, p.numel()) for offset, p, split in zip(self.spec.offsets(), params, self.tp_splits)
             if split.dim is None
         ]
+        # Parameters whose module writes their weight gradient into `main_grad` itself instead of returning
+        # it (TransformerEngine's fused accumulation): their main_grad is their slice of the accumulator.
+        self.main_grad_params = [i for i, p in enumerate(params) if getattr(p, "wgrad_into_main_grad", False)]
+        if self.main_grad_params and cfg.grad_reduce != "per_step":
+            raise ValueError(
+                f"FSDP unit {name}: {name}.{self.spec.names[self.main_grad_params[0]]} accumulates its weight "
+                f"gradient into main_grad, which needs grad_reduce=per_step (with grad_reduce=per_microbatch a "
+                f"later microbatch's forward could bind the accumulator an earlier one is reducing)")
         self.flat_param = nn.Parameter(self._initial_shard(init) if init is not None
                                        else shard_of(flatten(params, self.spec), self.spec, self.rank))
         for sub, attr in owners:
@@ -229,8 +237,21 @@ class FSDPUnit:
         # would vanish without an error. Every view must have a grad_fn when grad is enabled.
         if torch.is_grad_enabled() and any(v.grad_fn is None for v in views):
             raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
+        if self.main_grad_params and torch.is_grad_enabled():
+            self._bind_main_grads(views)
         for (sub, attr), view in zip(self._owners, views):
             setattr(sub, attr, view)
+
+    def _bind_main_grads(self, views: list[torch.Tensor]) -> None:
+        """Give the views of main_grad parameters their slices of the fp32 accumulator, which therefore
+        exists from the forward on (zeros until gradients land). It is handed to the reduction at the end
+        of the step's last backward, after every write into it."""
+        if self.grad_accumulator is None:
+            self.grad_accumulator = torch.zeros(self.spec.padded, dtype=torch.float32, device=self.flat_param.device)
+        offsets = self.spec.offsets()
+        for i in self.main_grad_params:
+            piece = self.grad_accumulator[offsets[i] : offsets[i] + self.spec.numels[i]]
+            views[i].main_grad = piece.view(self.spec.shapes[i])
 
 
 def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | None) -> None:
@@ -260,6 +281,8 @@ class _DetachedViews:
             self.views.append(chunk.view(shape))
 
     def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
+        if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
+            return
         if self.unit.reduces_now and self.unit.ticket.done:  # the accumulator was already reduced
             raise RuntimeError(f"FSDP unit {self.unit.name}: a gradient arrived after the unit's backward ended")
         accumulate_unsharded(self.unit, chunk.grad, offset)
