@@ -4,6 +4,9 @@ Blocks live in a ModuleDict keyed by their global layer index, so a pipeline sta
 some blocks still has the same parameter names (and the same initialization) as the full model.
 """
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -71,21 +74,28 @@ class OutputHead(nn.Module):
         return self.output(self.tp.enter(self.norm(h)))
 
 
+BlockFactory = Callable[[int, ModelArgs, TPContext, CPContext], nn.Module]
+
+
 class Transformer(nn.Module):
     """The whole model, or one pipeline chunk of it: the blocks `layers` (global indices), with the
     embedding only on the chunk that starts the model and the head only on the one that ends it."""
 
     def __init__(
         self, args: ModelArgs, tp: TPContext | None = None, layers: range | None = None,
-        embedding: bool = True, head: bool = True, cp: CPContext | None = None,
+        embedding: bool = True, head: bool = True, cp: CPContext | None = None, blocks: BlockFactory | None = None,
     ):
+        """`blocks` builds the transformer blocks (default: TransformerBlock); a factory with a `region()`
+        runs them inside it (TransformerEngine's autocast, model/te.py)."""
         super().__init__()
         self.args = args
         self.tp, self.cp = tp or TPContext(), cp or CPContext()
         layers = range(args.n_layers) if layers is None else layers
         self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp) if embedding else None
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.tp, self.cp) for i in layers})
+        make_block = blocks or TransformerBlock
+        self.layers = nn.ModuleDict({str(i): make_block(i, args, self.tp, self.cp) for i in layers})
+        self.block_region = getattr(blocks, "region", nullcontext)
         self.head = OutputHead(args, self.tp) if head else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +107,7 @@ class Transformer(nn.Module):
             seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
             positions = self.cp.positions(seq, x.device)
         cos, sin = self.rope(positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        with self.block_region():
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
         return h if self.head is None else self.head(h)

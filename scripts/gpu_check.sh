@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA machine (no network needed), in one go, within 8 minutes on one GPU:
-#   1. the GPU-marked tests (tests/gpu: CUDA fp8 GEMMs, allocator snapshots);
+#   1. the GPU-marked tests (tests/gpu: CUDA fp8 GEMMs, allocator snapshots, TransformerEngine blocks
+#      against the in-tree block where TE is importable);
 #   2. model=small for 20 steps in bf16, in-tree fp8 and (where TransformerEngine is importable) TE fp8:
 #      a table of their losses side by side, then each run's median TFLOP/s and MFU.
 #

@@ -162,7 +162,6 @@ ENUMS = {
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
     ("model.attn_bias_type", "causal"),
-    ("model.use_te_layers", False),
     # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.
     ("optim.use_fp32_copy_optim", True),
 )

@@ -8,7 +8,8 @@ order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces ov
 import torch
 
 from model.init import ModelInitializer
-from model.transformer import Transformer
+from model.te import TEBlocks
+from model.transformer import BlockFactory, Transformer
 from parallel.checkpointing import checkpoint_forward
 from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
@@ -27,7 +28,14 @@ def fsdp_unit_names(model: Transformer) -> list[str]:
     return [*embedding, *(f"layers.{i}" for i in model.layers), *head]
 
 
-def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | None = None) -> list[Transformer]:
+def block_factory(cfg: TrainConfig, mesh: ParallelMesh) -> BlockFactory | None:
+    """TransformerEngine blocks under model.use_te_layers (their amaxes reduced over the group the in-tree
+    fp8 reduces over); None: the in-tree blocks."""
+    return TEBlocks(cfg.model_args(), mesh.group("dp_cp_tp")) if cfg.model.use_te_layers else None
+
+
+def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | None = None,
+                 blocks: BlockFactory | None = None) -> list[Transformer]:
     """This pipeline rank's model chunks, on the meta device (parallelize() gives each FSDP unit its
     initial values as it shards it). Parameter names are those of the whole model, so every layout
     initializes and checkpoints the same parameters under the same names."""
@@ -37,6 +45,7 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
             Transformer(
                 cfg.model_args(), tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
                 embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1, cp=cp,
+                blocks=blocks,
             )
             for chunk in range(vpp)
         ]

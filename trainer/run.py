@@ -35,7 +35,9 @@ from trainer.metrics import MetricsLog, record_history_owner
 from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
 from trainer.preemption import StopOnSignal
-from trainer.parallelize import DTYPE_NAMES, DTYPES, build_chunks, cp_context, parallelize, tp_context
+from trainer.parallelize import (
+    DTYPE_NAMES, DTYPES, block_factory, build_chunks, cp_context, parallelize, tp_context,
+)
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
 from trainer.resume import resume
@@ -151,7 +153,7 @@ def build_trainer(
 ) -> Trainer:
     """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
     dtype = compute_dtype(cfg, device)
-    chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh))
+    chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh), block_factory(cfg, mesh))
     roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]
     return Trainer(
         cfg, mesh, chunks, roots, build_runtime(cfg, mesh, chunks, roots, dtype, device), NamedAdamW(chunks, cfg.optim),

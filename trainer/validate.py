@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from model.fp8 import GEMM_MULTIPLE
+from model.te import delayed_scaling
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
@@ -129,7 +130,8 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
 def _check_fp8(cfg: TrainConfig) -> None:
     m = cfg.model
     if m.use_te_layers:
-        _check_transformer_engine()
+        _check_te_combinations(cfg)
+        _check_transformer_engine(cfg)
     if not m.use_fp8:
         for key, default in (("model.fp8_wgrad", True), ("model.fp8_all_gather", False)):
             if get_key(cfg, key) != default:
@@ -143,13 +145,33 @@ def _check_fp8(cfg: TrainConfig) -> None:
             )
 
 
-def _check_transformer_engine() -> None:
+def _check_te_combinations(cfg: TrainConfig) -> None:
+    """What TransformerEngine blocks cannot be combined with (model/te.py)."""
+    m = cfg.model
+    if cfg.grad_reduce != "per_step":
+        raise ConfigError("model.use_te_layers=true needs grad_reduce=per_step: TE accumulates weight gradients "
+                          "into FSDP's per-step fp32 accumulator (fuse_wgrad_accumulation)")
+    if m.fp8_all_gather:
+        raise ConfigError("model.fp8_all_gather=true gathers the in-tree fp8 GEMMs' weights; with "
+                          "model.use_te_layers=true TransformerEngine casts its own (set it to false)")
+    if m.use_fp8 and m.layer_ckpt == "full":
+        raise ConfigError("model.layer_ckpt=full with model.use_te_layers=true model.use_fp8=true is not supported: "
+                          "the recompute would run TE's fp8 modules outside TE's autocast (use layer_ckpt=selective)")
+
+
+def _check_transformer_engine(cfg: TrainConfig) -> None:
     install = "install it on a CUDA machine with: pip install -e '.[te]'"
     if not torch.cuda.is_available():
         raise ConfigError(f"model.use_te_layers=true needs CUDA and TransformerEngine; this machine has no CUDA "
                           f"device (use the in-tree fp8 with model.use_te_layers=false, or {install})")
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError(f"model.use_te_layers=true needs TransformerEngine, which is not installed: {install}")
+    recipe = cfg.model_args().fp8_recipe()
+    if recipe is not None:
+        try:
+            delayed_scaling(recipe)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:

@@ -11,35 +11,16 @@ from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.fsdp.flat_param import unflatten
 from parallel.fsdp.unit import UnitState
 from tests.distributed.spawn import run_ranks
+from tests.fake_te.transformer_engine.pytorch import MAIN_GRAD_WRITES
+from tests.fake_te.transformer_engine.pytorch import FusedWgradLinear as FusedWgradFunction
 
 DIM, PER_RANK, STEPS = 8, 3, 2  # each rank: 3 microbatches of one row
-MAIN_GRAD_WRITES = []  # one entry per backward of a FusedWgradLinear that wrote into main_grad
-
-
-class _FusedWgrad(torch.autograd.Function):
-    """TransformerEngine's contract with fuse_wgrad_accumulation: the weight gradient is written into
-    `weight.main_grad` (overwriting it on the step's first microbatch, adding to it otherwise) and none
-    is returned to autograd. Without a main_grad (the one-process reference) it is returned as usual."""
-
-    @staticmethod
-    def forward(ctx, x, weight, is_first_microbatch):
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.is_first_microbatch = weight, is_first_microbatch
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        wgrad = grad_out.t() @ x
-        main_grad = getattr(ctx.weight, "main_grad", None)
-        if main_grad is None:
-            return grad_out @ ctx.weight, wgrad, None
-        main_grad.copy_(wgrad) if ctx.is_first_microbatch else main_grad.add_(wgrad)
-        MAIN_GRAD_WRITES.append(1)
-        return grad_out @ ctx.weight, None, None
 
 
 class FusedWgradLinear(nn.Module):
+    """A linear with TransformerEngine's fused weight-gradient contract (the CPU stand-in's): under FSDP
+    its weight has a main_grad and the gradient goes there; alone it is an ordinary linear."""
+
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
@@ -50,7 +31,7 @@ class FusedWgradLinear(nn.Module):
         self.is_first_microbatch = is_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FusedWgrad.apply(x, self.weight, self.is_first_microbatch)
+        return FusedWgradFunction.apply(x, self.weight, self.is_first_microbatch, hasattr(self.weight, "main_grad"))
 
 
 class Block(nn.Module):

@@ -103,7 +103,7 @@ UNBUILT_VALUES = {
 
 
 def test_capabilities_not_built_yet_are_rejected_not_ignored():
-    assert {key for key, _ in NOT_SUPPORTED_YET} - {"model.use_te_layers"} == UNBUILT_VALUES.keys()
+    assert {key for key, _ in NOT_SUPPORTED_YET} == UNBUILT_VALUES.keys()
     for key, value in UNBUILT_VALUES.items():
         with pytest.raises(ConfigError, match=f"{key}=.* is not supported yet"):
             validate(load(f"{key}={value}"), world_size=16)
@@ -117,8 +117,32 @@ def test_te_layers_without_cuda_say_how_to_get_them():
     assert "model.use_te_layers=true needs CUDA and TransformerEngine" in message and "pip install -e '.[te]'" in message
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["grad_reduce=per_microbatch"], "model.use_te_layers=true needs grad_reduce=per_step"),
+    (["model.use_fp8=true", "model.fp8_all_gather=true"], "model.fp8_all_gather=true gathers the in-tree"),
+    (["model.use_fp8=true", "model.layer_ckpt=full"], "model.layer_ckpt=full with model.use_te_layers=true"),
+])
+def test_te_layers_refuse_what_they_cannot_combine_with_on_any_machine(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(load("model.use_te_layers=true", *overrides), world_size=1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_wrong_types_and_unknown_keys():
     with pytest.raises(ConfigError, match="seed='x' must be int"):
         from_dict({"seed": "x"})
     with pytest.raises(ConfigError, match="optim.betas is not a known config key"):
         from_dict({"optim": {"betas": 1}})
+
+
+def test_resuming_a_te_fp8_run_is_refused_not_silently_rescaled(monkeypatch, tmp_path):
+    """TE's fp8 scaling state is not in checkpoints: resuming must stop, not restart the scales."""
+    import trainer.resume as resume_module
+
+    cfg = load("model.use_te_layers=true", "model.use_fp8=true", f"dump_dir={tmp_path}")
+    monkeypatch.setattr(resume_module, "latest_checkpoint", lambda *a, **k: tmp_path / "checkpoints" / "step_2")
+    monkeypatch.setattr(resume_module, "verify_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(resume_module, "check_resumable", lambda *a, **k: None)
+    monkeypatch.setattr(resume_module, "load_into", lambda *a, **k: pytest.fail("loaded a TE fp8 checkpoint"))
+    with pytest.raises(ConfigError, match="model.use_te_layers=true model.use_fp8=true is not supported yet"):
+        resume_module.resume(cfg, dict, None, None, {}, 0, 1, "job", print)

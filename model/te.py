@@ -1,0 +1,167 @@
+"""TransformerEngine blocks (`model.use_te_layers=true`, CUDA only): the Llama block of
+model/transformer.py with TE's fused modules doing its norms and linears.
+
+    attention_norm + wqkv  -> te.LayerNormLinear (RMSNorm, column parallel)
+    wo                     -> te.Linear (row parallel)
+    ffn_norm + w13         -> te.LayerNormLinear (RMSNorm, column parallel)
+    w2                     -> te.Linear (row parallel)
+
+RoPE and the attention core (with context parallelism) stay ours. The block has exactly the in-tree
+block's parameters, under the same names and TP layouts: the norm weights stay in the block's
+`attention_norm` / `ffn_norm` and are handed to TE's module at each forward, so initialization,
+checkpoints, HF import/export and every FSDP layout treat both blocks alike.
+
+The flat-parameter FSDP owns the weights: TE reads the views FSDP installs, and with
+`fuse_wgrad_accumulation` TE writes each weight gradient into the weight's `main_grad`, which FSDP
+binds to the unit's fp32 accumulator (`wgrad_into_main_grad`), so the once-per-step reduction holds.
+The scheduler's `is_first_microbatch` reaches TE's forward (it caches the fp8 weight casts for the
+step). Under sequence parallelism TE gathers and scatters along dim 0, so the block runs sequence-first
+inside and transposes at its edges.
+
+The blocks run inside TE's autocast (`TEBlocks.region`), with a DelayedScaling recipe from the same
+`model.fp8_*` keys as the in-tree fp8 and the amax reduction group the in-tree fp8 uses.
+"""
+
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from model.args import ModelArgs
+from model.attention import AttentionCore, apply_rotary
+from model.fp8 import Fp8Recipe
+from model.transformer import RMSNorm
+from parallel.context_parallel import CPContext
+from parallel.tensor_parallel import TPContext, mark_tp_dim
+
+
+def _te():
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+def _linear_options(tp: TPContext) -> dict:
+    return dict(bias=False, tp_group=tp.group, tp_size=tp.size, sequence_parallel=tp.sequence_parallel,
+                fuse_wgrad_accumulation=True, params_dtype=torch.float32, device=torch.empty(0).device)
+
+
+def _owned_by_fsdp(linear: nn.Module, tp_dim: int, parts: tuple[int, ...] | None = None) -> nn.Module:
+    """Mark a TE module's weight as the in-tree linear's would be, and as writing its own gradient."""
+    mark_tp_dim(linear.weight, tp_dim, parts)
+    linear.weight.wgrad_into_main_grad = True
+    return linear
+
+
+def norm_linear(args: ModelArgs, tp: TPContext, parts: tuple[int, ...]) -> nn.Module:
+    """RMSNorm + column-parallel linear with fused outputs `parts`; the norm weight is the block's."""
+    linear = _te().LayerNormLinear(args.dim, sum(parts), eps=args.norm_eps, normalization="RMSNorm",
+                                   parallel_mode="column", **_linear_options(tp))
+    del linear._parameters["layer_norm_weight"]  # the block's norm owns it, under the in-tree name
+    return _owned_by_fsdp(linear, 0, parts if len(parts) > 1 else None)
+
+
+def row_linear(in_features: int, out_features: int, tp: TPContext) -> nn.Module:
+    return _owned_by_fsdp(_te().Linear(in_features, out_features, parallel_mode="row", **_linear_options(tp)), 1)
+
+
+class _MicrobatchMarks(nn.Module):
+    """Receives the scheduler's marks (FSDP's set_microbatch) for the TE modules it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_first_microbatch: bool | None = None
+
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        self.is_first_microbatch = is_first
+
+
+class TEAttention(_MicrobatchMarks):
+    def __init__(self, args: ModelArgs, tp: TPContext, cp: CPContext):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.core = AttentionCore(args.efficient_attn, cp)
+        kv = args.n_kv_heads * args.head_dim
+        parts = (args.n_heads * args.head_dim, kv, kv)
+        self.local_sizes = [p // tp.size for p in parts]
+        self.wqkv = norm_linear(args, tp, parts)
+        self.wo = row_linear(args.n_heads * args.head_dim, args.dim, tp)
+
+    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seq_first: bool) -> torch.Tensor:
+        self.wqkv.layer_norm_weight = norm_weight
+        qkv = self.wqkv(x, is_first_microbatch=self.is_first_microbatch)
+        if seq_first:
+            qkv = qkv.transpose(0, 1)
+        bsz, seq, _ = qkv.shape
+        q, k, v = (t.reshape(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.local_sizes, -1))
+        out = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v).transpose(1, 2)
+        out = out.transpose(0, 1) if seq_first else out
+        return self.wo(out.reshape(*out.shape[:2], -1).contiguous(), is_first_microbatch=self.is_first_microbatch)
+
+
+class TEFeedForward(_MicrobatchMarks):
+    def __init__(self, args: ModelArgs, tp: TPContext):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.local_sizes = [hidden // tp.size] * 2
+        self.w13 = norm_linear(args, tp, (hidden, hidden))  # gate, up
+        self.w2 = row_linear(hidden, args.dim, tp)
+
+    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        self.w13.layer_norm_weight = norm_weight
+        gate, up = self.w13(x, is_first_microbatch=self.is_first_microbatch).split(self.local_sizes, -1)
+        return self.w2(nn.functional.silu(gate) * up, is_first_microbatch=self.is_first_microbatch)
+
+
+class TETransformerBlock(nn.Module):
+    """The pre-norm block with TE modules; same parameters, names and layouts as TransformerBlock."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext | None = None):
+        super().__init__()
+        self.layer_id, self.sequence_parallel = layer_id, tp.sequence_parallel
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)  # weight only: TE's module normalizes
+        self.attention = TEAttention(args, tp, cp or CPContext())
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = TEFeedForward(args, tp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        seq_first = self.sequence_parallel
+        h = x.transpose(0, 1).contiguous() if seq_first else x
+        h = h + self.attention(h, self.attention_norm.weight, cos, sin, seq_first)
+        h = h + self.feed_forward(h, self.ffn_norm.weight)
+        return h.transpose(0, 1).contiguous() if seq_first else h
+
+
+def delayed_scaling(recipe: Fp8Recipe) -> object:
+    """TE's DelayedScaling from the in-tree recipe's settings."""
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    options = dict(margin=recipe.margin, fp8_format=Format.HYBRID if recipe.format == "hybrid" else Format.E4M3,
+                   amax_history_len=recipe.amax_history_len, amax_compute_algo=recipe.amax_compute_algo)
+    if not recipe.wgrad:
+        if "override_linear_precision" not in DelayedScaling.__dataclass_fields__:
+            raise ValueError("model.fp8_wgrad=false needs a TransformerEngine whose DelayedScaling has "
+                             "override_linear_precision; the installed one computes the weight gradient in fp8 only")
+        options["override_linear_precision"] = (False, False, True)
+    return DelayedScaling(**options)
+
+
+class TEBlocks:
+    """Builds the TE blocks of a model (Transformer's `blocks`) and the region they run in: TE's
+    autocast, fp8 with the recipe when model.use_fp8, amaxes reduced over `amax_group`."""
+
+    def __init__(self, args: ModelArgs, amax_group: ProcessGroup | None):
+        self.args, self.amax_group = args, amax_group
+        recipe = args.fp8_recipe()
+        self.recipe = delayed_scaling(recipe) if recipe is not None else None
+
+    def __call__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext) -> TETransformerBlock:
+        return TETransformerBlock(layer_id, args, tp, cp)
+
+    def region(self) -> AbstractContextManager:
+        te, enabled = _te(), self.recipe is not None
+        if hasattr(te, "autocast"):
+            return te.autocast(enabled=enabled, recipe=self.recipe, amax_reduction_group=self.amax_group)
+        return te.fp8_autocast(enabled=enabled, fp8_recipe=self.recipe, fp8_group=self.amax_group)

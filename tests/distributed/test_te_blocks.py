@@ -1,0 +1,61 @@
+"""model.use_te_layers wiring on CPU: the trainer's model with TransformerEngine blocks (model/te.py) run on
+a CPU stand-in of TE's modules (tests/fake_te, no fp8) trains exactly like the in-tree blocks under
+tp x SP x FSDP (ZeRO-3, optimize_backward_concat) and tp x pp (1F1B): the same parameters, names and
+initial values, TE's weight gradients written into FSDP's accumulator through main_grad, the
+scheduler's first-microbatch marks reaching TE's forward, and TE's autocast entered with the amax
+group. TransformerEngine itself is checked by the GPU tests (tests/gpu/test_te.py)."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from parallel.mesh import ParallelMesh
+from tests.distributed.pipeline_cases import SyntheticLoader, config, train
+from tests.distributed.spawn import run_ranks
+from trainer.config import TrainConfig
+from trainer.run import build_trainer
+from trainer.validate import validate
+
+FAKE_TE = Path(__file__).resolve().parents[1] / "fake_te"
+LAYOUTS = {
+    "tp2 sp dp2 zero3 concat": dict(model_parallel_size=2, model={"sequence_parallel": True}, batch_size=2,
+                                   optimize_backward_concat=True),
+    "tp2 pp2 1f1b": dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4),
+}
+
+
+def _te_losses(cfg: TrainConfig, world: int) -> list[float]:
+    """The trainer with TE blocks; validated as its in-tree twin (validate refuses TE without CUDA)."""
+    twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, use_te_layers=False))
+    dims = validate(twin, world)
+    mesh = ParallelMesh(dims, "cpu")
+    loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
+    trainer = build_trainer(cfg, mesh, loader, torch.device("cpu"))
+    assert all(type(b).__name__ == "TETransformerBlock" for c in trainer.chunks for b in c.layers.values())
+    return [trainer.train_step(step).loss for step in range(1, cfg.steps + 1)]
+
+
+def _check(rank: int, world: int) -> None:
+    sys.path.insert(0, str(FAKE_TE))
+    import transformer_engine.pytorch as fake_te
+
+    for label, layout in LAYOUTS.items():
+        fake_te.AUTOCAST_REGIONS.clear(), fake_te.FIRST_MICROBATCH_FLAGS.clear(), fake_te.MAIN_GRAD_WRITES.clear()
+        cfg = config(**{**layout, "model": {**layout.get("model", {}), "use_te_layers": True}})
+        te_losses = _te_losses(cfg, world)
+        in_tree = [m.loss for m in train(config(**layout), world)[1]]
+        for got, want in zip(te_losses, in_tree, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (label, te_losses, in_tree)
+        assert len(fake_te.MAIN_GRAD_WRITES) > 0, label
+        assert {True, False} <= set(fake_te.FIRST_MICROBATCH_FLAGS), label
+        enabled, recipe, group = fake_te.AUTOCAST_REGIONS[0]
+        assert not enabled and recipe is None, label  # fp32 run: TE's autocast entered with fp8 off
+        pp = layout.get("pipeline_parallel_size", 1)
+        assert group.size() == world // pp, (label, group.size())  # dp x cp x tp: the in-tree amax group
+        assert all(entry[2] is group for entry in fake_te.AUTOCAST_REGIONS), label
+
+
+def test_te_blocks_train_like_the_in_tree_blocks():
+    run_ranks(4, _check)
