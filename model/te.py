@@ -43,8 +43,11 @@ def _te():
 
 
 def _linear_options(tp: TPContext) -> dict:
+    # TE defers its own initialization only for device == "meta" as a string (a torch.device never
+    # equals it): otherwise it would draw every weight on the GPU before FSDP shards it.
+    device = "meta" if torch.empty(0).is_meta else torch.empty(0).device
     return dict(bias=False, tp_group=tp.group, tp_size=tp.size, sequence_parallel=tp.sequence_parallel,
-                fuse_wgrad_accumulation=True, params_dtype=torch.float32, device=torch.empty(0).device)
+                fuse_wgrad_accumulation=True, params_dtype=torch.float32, device=device)
 
 
 def _owned_by_fsdp(linear: nn.Module, tp_dim: int, parts: tuple[int, ...] | None = None) -> nn.Module:
@@ -67,19 +70,28 @@ def row_linear(in_features: int, out_features: int, tp: TPContext) -> nn.Module:
 
 
 class _MicrobatchMarks(nn.Module):
-    """Receives the scheduler's marks (FSDP's set_microbatch) for the TE modules it calls."""
+    """Receives the scheduler's marks (FSDP's set_microbatch) for the TE modules it calls. With
+    `cache_fp8_weights` TE gets is_first_microbatch and keeps each weight's fp8 cast for the step's other
+    microbatches (and past the step: a whole TP-local copy per module); without it (ZeRO-3, where that
+    copy would undo the sharding, as TE itself decides under FSDP2) it gets None and casts every time."""
 
-    def __init__(self):
+    def __init__(self, cache_fp8_weights: bool):
         super().__init__()
+        self.cache_fp8_weights = cache_fp8_weights
         self.is_first_microbatch: bool | None = None
 
     def set_microbatch(self, is_first: bool, is_last: bool) -> None:
-        self.is_first_microbatch = is_first
+        self.is_first_microbatch = is_first if self.cache_fp8_weights else None
+
+
+def _give_norm_weight(linear: nn.Module, weight: torch.Tensor) -> None:
+    # Into the instance dict, never registered: the block's norm owns the parameter.
+    linear.__dict__["layer_norm_weight"] = weight
 
 
 class TEAttention(_MicrobatchMarks):
-    def __init__(self, args: ModelArgs, tp: TPContext, cp: CPContext):
-        super().__init__()
+    def __init__(self, args: ModelArgs, tp: TPContext, cp: CPContext, cache_fp8_weights: bool):
+        super().__init__(cache_fp8_weights)
         self.head_dim = args.head_dim
         self.core = AttentionCore(args.efficient_attn, cp)
         kv = args.n_kv_heads * args.head_dim
@@ -90,7 +102,7 @@ class TEAttention(_MicrobatchMarks):
 
     def forward(self, x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 seq_first: bool) -> torch.Tensor:
-        self.wqkv.layer_norm_weight = norm_weight
+        _give_norm_weight(self.wqkv, norm_weight)
         qkv = self.wqkv(x, is_first_microbatch=self.is_first_microbatch)
         if seq_first:
             qkv = qkv.transpose(0, 1)
@@ -102,15 +114,15 @@ class TEAttention(_MicrobatchMarks):
 
 
 class TEFeedForward(_MicrobatchMarks):
-    def __init__(self, args: ModelArgs, tp: TPContext):
-        super().__init__()
+    def __init__(self, args: ModelArgs, tp: TPContext, cache_fp8_weights: bool):
+        super().__init__(cache_fp8_weights)
         hidden = args.ffn_hidden_dim
         self.local_sizes = [hidden // tp.size] * 2
         self.w13 = norm_linear(args, tp, (hidden, hidden))  # gate, up
         self.w2 = row_linear(hidden, args.dim, tp)
 
     def forward(self, x: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-        self.w13.layer_norm_weight = norm_weight
+        _give_norm_weight(self.w13, norm_weight)
         gate, up = self.w13(x, is_first_microbatch=self.is_first_microbatch).split(self.local_sizes, -1)
         return self.w2(nn.functional.silu(gate) * up, is_first_microbatch=self.is_first_microbatch)
 
@@ -118,13 +130,14 @@ class TEFeedForward(_MicrobatchMarks):
 class TETransformerBlock(nn.Module):
     """The pre-norm block with TE modules; same parameters, names and layouts as TransformerBlock."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext | None = None):
+    def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext | None = None,
+                 cache_fp8_weights: bool = True):
         super().__init__()
         self.layer_id, self.sequence_parallel = layer_id, tp.sequence_parallel
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)  # weight only: TE's module normalizes
-        self.attention = TEAttention(args, tp, cp or CPContext())
+        self.attention = TEAttention(args, tp, cp or CPContext(), cache_fp8_weights)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = TEFeedForward(args, tp)
+        self.feed_forward = TEFeedForward(args, tp, cache_fp8_weights)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         seq_first = self.sequence_parallel
@@ -150,18 +163,21 @@ def delayed_scaling(recipe: Fp8Recipe) -> object:
 
 class TEBlocks:
     """Builds the TE blocks of a model (Transformer's `blocks`) and the region they run in: TE's
-    autocast, fp8 with the recipe when model.use_fp8, amaxes reduced over `amax_group`."""
+    autocast, fp8 with the recipe when model.use_fp8, amaxes reduced over `amax_group`.
 
-    def __init__(self, args: ModelArgs, amax_group: ProcessGroup | None):
-        self.args, self.amax_group = args, amax_group
+    Forwards without grad (evaluation) run with fp8 off: TE's amax history has no way to forget what
+    a forward recorded, and an evaluation must leave no trace in training."""
+
+    def __init__(self, args: ModelArgs, amax_group: ProcessGroup | None, cache_fp8_weights: bool = True):
+        self.args, self.amax_group, self.cache_fp8_weights = args, amax_group, cache_fp8_weights
         recipe = args.fp8_recipe()
         self.recipe = delayed_scaling(recipe) if recipe is not None else None
 
     def __call__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext) -> TETransformerBlock:
-        return TETransformerBlock(layer_id, args, tp, cp)
+        return TETransformerBlock(layer_id, args, tp, cp, self.cache_fp8_weights)
 
     def region(self) -> AbstractContextManager:
-        te, enabled = _te(), self.recipe is not None
+        te, enabled = _te(), self.recipe is not None and torch.is_grad_enabled()
         if hasattr(te, "autocast"):
             return te.autocast(enabled=enabled, recipe=self.recipe, amax_reduction_group=self.amax_group)
         return te.fp8_autocast(enabled=enabled, fp8_recipe=self.recipe, fp8_group=self.amax_group)

@@ -30,8 +30,10 @@ def fsdp_unit_names(model: Transformer) -> list[str]:
 
 def block_factory(cfg: TrainConfig, mesh: ParallelMesh) -> BlockFactory | None:
     """TransformerEngine blocks under model.use_te_layers (their amaxes reduced over the group the in-tree
-    fp8 reduces over); None: the in-tree blocks."""
-    return TEBlocks(cfg.model_args(), mesh.group("dp_cp_tp")) if cfg.model.use_te_layers else None
+    fp8 reduces over; fp8 weight casts cached across microbatches unless ZeRO-3); None: the in-tree blocks."""
+    if not cfg.model.use_te_layers:
+        return None
+    return TEBlocks(cfg.model_args(), mesh.group("dp_cp_tp"), cache_fp8_weights=not cfg.reshard_after_forward)
 
 
 def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | None = None,

@@ -154,6 +154,9 @@ def _check_te_combinations(cfg: TrainConfig) -> None:
     if m.fp8_all_gather:
         raise ConfigError("model.fp8_all_gather=true gathers the in-tree fp8 GEMMs' weights; with "
                           "model.use_te_layers=true TransformerEngine casts its own (set it to false)")
+    if m.use_fp8 and cfg.nan_policy == "skip":
+        raise ConfigError("nan_policy=skip with model.use_te_layers=true model.use_fp8=true is not supported: a "
+                          "skipped step's amaxes would stay in TransformerEngine's history (use nan_policy=halt)")
     if m.use_fp8 and m.layer_ckpt == "full":
         raise ConfigError("model.layer_ckpt=full with model.use_te_layers=true model.use_fp8=true is not supported: "
                           "the recompute would run TE's fp8 modules outside TE's autocast (use layer_ckpt=selective)")

@@ -142,6 +142,7 @@ def end_of_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket) -> N
     if unit.reduces_now:
         grad, unit.pending_grad = unit.pending_grad, None
         flat_grad = unsharded_grad(unit, grad)
+        unit.release_main_grads()
         reduction = reduce_gradient(unit, flat_grad, unit.is_last_microbatch)
         root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())
     unit.gradients_pending -= 1

@@ -107,6 +107,7 @@ class FSDPUnit:
         # Parameters whose module writes their weight gradient into `main_grad` itself instead of returning
         # it (TransformerEngine's fused accumulation): their main_grad is their slice of the accumulator.
         self.main_grad_params = [i for i, p in enumerate(params) if getattr(p, "wgrad_into_main_grad", False)]
+        self._main_grad_views: list[torch.Tensor] = []  # bound since the accumulator was last handed over
         if self.main_grad_params and cfg.grad_reduce != "per_step":
             raise ValueError(
                 f"FSDP unit {name}: {name}.{self.spec.names[self.main_grad_params[0]]} accumulates its weight "
@@ -244,14 +245,22 @@ class FSDPUnit:
 
     def _bind_main_grads(self, views: list[torch.Tensor]) -> None:
         """Give the views of main_grad parameters their slices of the fp32 accumulator, which therefore
-        exists from the forward on (zeros until gradients land). It is handed to the reduction at the end
-        of the step's last backward, after every write into it."""
+        exists from the forward on (zeros until gradients land; TE may read main_grad at forward). It is
+        handed to the reduction at the end of the step's last backward, after every write into it."""
         if self.grad_accumulator is None:
             self.grad_accumulator = torch.zeros(self.spec.padded, dtype=torch.float32, device=self.flat_param.device)
         offsets = self.spec.offsets()
         for i in self.main_grad_params:
             piece = self.grad_accumulator[offsets[i] : offsets[i] + self.spec.numels[i]]
             views[i].main_grad = piece.view(self.spec.shapes[i])
+            self._main_grad_views.append(views[i])
+
+    def release_main_grads(self) -> None:
+        """The accumulator went to its reduction: views no longer point into it, so it is freed once
+        reduced instead of living on (in the installed views) until the unit's next forward."""
+        for view in self._main_grad_views:
+            del view.main_grad
+        self._main_grad_views = []
 
 
 def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | None) -> None:

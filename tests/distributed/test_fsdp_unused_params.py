@@ -97,6 +97,8 @@ def train(rank: int, world: int, cfg: FSDPConfig) -> tuple[list[float], list[dic
             if cfg.reshard_after_forward:  # ZeRO-3: every unit freed as soon as its backward ended
                 assert [u.state for u in root.units] == [UnitState.SHARDED] * 2, (step, i)
         root.finish_gradient_sync()
+        # The accumulator went to the reduction: no view still points into it (it would live on).
+        assert not any(hasattr(b.fused.weight, "main_grad") for b in (model.a, model.b))
         dist.all_reduce(total)
         losses.append(total.item())
         grads.append(full_grads(root))

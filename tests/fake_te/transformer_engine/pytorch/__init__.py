@@ -89,6 +89,8 @@ class _ParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device="cuda"):
         super().__init__()
         assert not bias and parallel_mode in ("column", "row")
+        # TE defers its initialization only for the string "meta" (torch.device("meta") != "meta").
+        assert not (isinstance(device, torch.device) and device.type == "meta"), "pass device='meta' to TE"
         self.parallel_mode, self.tp_group, self.tp_size = parallel_mode, tp_group, tp_size
         self.sequence_parallel, self.fuse = sequence_parallel, fuse_wgrad_accumulation
         out_local = out_features // tp_size if parallel_mode == "column" else out_features
