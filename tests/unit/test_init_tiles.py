@@ -4,13 +4,13 @@ its own share (TP slice and FSDP shard), never the unsliced parameters."""
 
 import time
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 import model.init as init
 from model.args import ModelArgs
 from model.transformer import Transformer
-from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
 from parallel.fsdp.state_dict import TPSplit, boxed_parameters, fill_shard
 from parallel.tensor_parallel import TPContext
@@ -73,29 +73,15 @@ def _counting_draws(monkeypatch) -> list[int]:
     return drawn
 
 
-def test_a_rank_of_llama3_70b_draws_only_its_share(world, monkeypatch):
-    """llama3_70b with 2 layers, TP rank 3 of 8, built on the meta device and sharded by FSDP (one
-    process simulating the rank): at most 2x its own parameter count is drawn."""
+@pytest.mark.parametrize("dp, shard_rank", [(1, 0), (8, 5)])
+def test_a_rank_of_llama3_70b_draws_only_its_share(monkeypatch, dp, shard_rank):
+    """llama3_70b with 2 layers on the meta device, TP rank 3 of 8 and FSDP shard `shard_rank` of `dp` (one
+    process simulating the rank; its shards built as FSDPUnit builds them): at most 2x the shard's own
+    elements are drawn, whatever the rest of the TP slice (dp=1: the whole slice)."""
     args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model_args()
     drawn = _counting_draws(monkeypatch)
-    tp = TPContext(size=8, rank=3)
+    tp_rank, tp = 3, 8
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = Transformer(args, tp)
-    own = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("norm.weight"))
-    fully_shard(model, fsdp_unit_names(model), world, None, FSDPConfig(),
-                init=init.ModelInitializer(args, 0, torch.device("cpu")))
-    seconds = time.perf_counter() - start
-    print(f"llama3_70b (2 layers), TP rank 3 of 8: drew {sum(drawn) / own:.4f}x its {own:,} parameters in {seconds:.1f} s")
-    assert own <= sum(drawn) <= 2 * own
-
-
-def test_an_fsdp_shard_of_llama3_70b_draws_only_its_share(monkeypatch):
-    """The same model on TP rank 3 of 8 and FSDP shard rank 5 of 8 (its shards built as FSDPUnit builds
-    them): at most 2x the shard's own elements are drawn, 1/8 of the TP rank's parameters."""
-    args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model_args()
-    drawn = _counting_draws(monkeypatch)
-    tp_rank, tp, dp, shard_rank = 3, 8, 8, 5
     with torch.device("meta"):
         model = Transformer(args, TPContext(size=tp, rank=tp_rank))
     own = 0
@@ -106,7 +92,9 @@ def test_an_fsdp_shard_of_llama3_70b_draws_only_its_share(monkeypatch):
         fill_shard(torch.zeros(spec.shard_size), spec, shard_rank, splits, tp_rank, tp,
                    lambda n, *box: init.init_box(f"{unit}.{n}", *box, args, 0))
         own += spec.valid_in_shard(shard_rank)
-    print(f"llama3_70b (2 layers), TP rank 3 of 8, shard 5 of 8: drew {sum(drawn) / own:.4f}x its {own:,} elements")
+    seconds = time.perf_counter() - start
+    print(f"llama3_70b (2 layers), TP rank 3 of 8, shard {shard_rank} of {dp}: drew {sum(drawn) / own:.4f}x "
+          f"its {own:,} elements in {seconds:.1f} s")
     assert own / 2 < sum(drawn) <= 2 * own
 
 
