@@ -46,6 +46,12 @@ class PipelineRuntime:
         # Per chunk: the microbatch it runs forward first and backward last (the FSDP marks).
         self.first_forward = {a.chunk: a.microbatch for a in reversed(computes) if a.op == FORWARD}
         self.last_backward = {a.chunk: a.microbatch for a in computes if a.op == BACKWARD}
+        first_backward = {a.chunk: a.microbatch for a in reversed(computes) if a.op == BACKWARD}
+        if first_backward != self.first_forward:
+            # A module that overwrites its gradient on the first microbatch (TransformerEngine's fused
+            # accumulation) would otherwise drop the gradients of backwards that ran before it.
+            raise ValueError(f"pipeline program: each chunk's first backward must be of the microbatch it runs "
+                             f"forward first ({first_backward} vs {self.first_forward})")
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
         self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the step's end

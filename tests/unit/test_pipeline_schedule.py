@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from parallel.errors import ConfigError
 from parallel.pipeline import schedule as S
+from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import Action, pipeline_actions, schedule_actions
 from parallel.pipeline.simulate import ScheduleError, random_costs, simulate, uniform_costs
 
@@ -58,15 +60,25 @@ def test_sends_and_receives_pair_up_in_order():
                 assert keys == channels[(sender, receiver, "recv")], (schedule, pp, vpp, m, sender, receiver)
 
 
-def test_each_chunks_last_backward_is_the_one_marked_last():
-    """The runtime marks `is_last_microbatch` from the program: the chunk's last backward must be the
-    microbatch whose forward was also that chunk's last forward (so the views it built are connected)."""
+def test_each_chunks_backwards_start_and_end_with_the_marked_microbatches():
+    """The runtime marks `is_first_microbatch` / `is_last_microbatch` from the program: a chunk's first
+    backward is its first forward's microbatch (whose flat gradient becomes FSDP's accumulator, and where
+    TE overwrites main_grad), its last backward the last forward's (which reduces)."""
     for schedule, pp, vpp, m in _cases():
         for program in pipeline_actions(schedule, pp, vpp, m):
             for chunk in range(vpp):
                 forwards = [a.microbatch for a in program if a.op == "F" and a.chunk == chunk]
                 backwards = [a.microbatch for a in program if a.op == "B" and a.chunk == chunk]
-                assert forwards[-1] == backwards[-1] == m - 1 and forwards[0] == 0, (schedule, pp, vpp, m)
+                assert forwards[0] == backwards[0] == 0 and forwards[-1] == backwards[-1] == m - 1, (
+                    schedule, pp, vpp, m)
+
+
+def test_the_runtime_refuses_a_program_whose_first_backward_is_not_the_first_microbatch():
+    program = list(pipeline_actions("gpipe", 1, 1, 3)[0])
+    b0, b1 = (i for i, a in enumerate(program) if a.op == "B" and a.microbatch in (0, 1))
+    program[b0], program[b1] = program[b1], program[b0]
+    with pytest.raises(ValueError, match="first backward must be of the microbatch it runs forward first"):
+        PipelineRuntime(program, 1, [], [], None, (1, 1, 1), torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("costs", [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)])
