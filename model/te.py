@@ -19,9 +19,13 @@ step). Under sequence parallelism TE gathers and scatters along dim 0, so the bl
 inside and transposes at its edges.
 
 The blocks run inside TE's autocast (`TEBlocks.region`), with a DelayedScaling recipe from the same
-`model.fp8_*` keys as the in-tree fp8 and the amax reduction group the in-tree fp8 uses.
+`model.fp8_*` keys as the in-tree fp8 and the amax reduction group the in-tree fp8 uses. TE keeps its
+fp8 scaling state (per linear: scale and amax history of each operand, forward and backward) outside
+parameters and buffers; each block hands it to checkpoints as live tensors (`scaling_state`), so a
+resume continues it bitwise. It is identical on every rank of the amax group, as the in-tree state is.
 """
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -40,6 +44,37 @@ def _te():
     import transformer_engine.pytorch as te
 
     return te
+
+
+def _autocast(enabled: bool, recipe: object | None, group: ProcessGroup | None) -> AbstractContextManager:
+    """TE's autocast under its current name (`autocast`) or its older one (`fp8_autocast`)."""
+    te = _te()
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+# TE's per-direction scaling state (a DelayedScaling recipe state; older TE also keeps scale_inv).
+_SCALING_KEYS = ("scaling_fwd", "scaling_bwd")
+_SCALING_FIELDS = ("scale", "scale_inv", "amax_history")
+
+
+def scaling_state(module: nn.Module, fp8_region: Callable[[], AbstractContextManager]) -> dict[str, torch.Tensor]:
+    """The fp8 scaling tensors of the TE linears in `module`, live, by name ("wo.scaling_fwd.scale").
+    A linear that has not run in fp8 yet (a resume builds this before any step) first creates its state
+    inside `fp8_region`, as its first fp8 forward would; TE then keeps it, so a checkpoint loads into it.
+    That region runs without grad: TE updates scales at an fp8 region's exit only with grad enabled, and
+    a save must not touch the state it saves."""
+    te = _te()
+    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, (te.LayerNormLinear, te.Linear))]
+    uninitialized = [m for _, m in linears if not all(key in m.fp8_meta for key in _SCALING_KEYS)]
+    if uninitialized:
+        with torch.no_grad(), fp8_region():
+            for linear in uninitialized:
+                linear.init_fp8_metadata(num_gemms=1)
+    return {f"{name}.{key}.{field}": getattr(linear.fp8_meta[key], field)
+            for name, linear in linears for key in _SCALING_KEYS for field in _SCALING_FIELDS
+            if hasattr(linear.fp8_meta[key], field)}
 
 
 def _linear_options(tp: TPContext) -> dict:
@@ -128,12 +163,13 @@ class TEFeedForward(_MicrobatchMarks):
 
 
 class TETransformerBlock(nn.Module):
-    """The pre-norm block with TE modules; same parameters, names and layouts as TransformerBlock."""
+    """The pre-norm block with TE modules; same parameters, names and layouts as TransformerBlock.
+    `fp8_region` (fp8 runs only): an autocast region with fp8 on, in which TE creates scaling state."""
 
     def __init__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext | None = None,
-                 cache_fp8_weights: bool = True):
+                 cache_fp8_weights: bool = True, fp8_region: Callable[[], AbstractContextManager] | None = None):
         super().__init__()
-        self.layer_id, self.sequence_parallel = layer_id, tp.sequence_parallel
+        self.layer_id, self.sequence_parallel, self.fp8_region = layer_id, tp.sequence_parallel, fp8_region
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)  # weight only: TE's module normalizes
         self.attention = TEAttention(args, tp, cp or CPContext(), cache_fp8_weights)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -145,6 +181,10 @@ class TETransformerBlock(nn.Module):
         h = h + self.attention(h, self.attention_norm.weight, cos, sin, seq_first)
         h = h + self.feed_forward(h, self.ffn_norm.weight)
         return h.transpose(0, 1).contiguous() if seq_first else h
+
+    def scaling_state(self) -> dict[str, torch.Tensor]:
+        """TE's fp8 scaling state of this block, for checkpoints ({} without fp8)."""
+        return {} if self.fp8_region is None else scaling_state(self, self.fp8_region)
 
 
 def delayed_scaling(recipe: Fp8Recipe) -> object:
@@ -174,10 +214,11 @@ class TEBlocks:
         self.recipe = delayed_scaling(recipe) if recipe is not None else None
 
     def __call__(self, layer_id: int, args: ModelArgs, tp: TPContext, cp: CPContext) -> TETransformerBlock:
-        return TETransformerBlock(layer_id, args, tp, cp, self.cache_fp8_weights)
+        fp8_region = self.fp8_region if self.recipe is not None else None
+        return TETransformerBlock(layer_id, args, tp, cp, self.cache_fp8_weights, fp8_region)
 
     def region(self) -> AbstractContextManager:
-        te, enabled = _te(), self.recipe is not None and torch.is_grad_enabled()
-        if hasattr(te, "autocast"):
-            return te.autocast(enabled=enabled, recipe=self.recipe, amax_reduction_group=self.amax_group)
-        return te.fp8_autocast(enabled=enabled, fp8_recipe=self.recipe, fp8_group=self.amax_group)
+        return _autocast(self.recipe is not None and torch.is_grad_enabled(), self.recipe, self.amax_group)
+
+    def fp8_region(self) -> AbstractContextManager:
+        return _autocast(True, self.recipe, self.amax_group)

@@ -42,11 +42,6 @@ def resume(
                 "resuming would train nothing; raise steps, or use a new dump_dir"
             )
         check_resumable(path, fingerprint, cfg.resume.allow_changed)
-        if cfg.model.use_te_layers and cfg.model.use_fp8:
-            raise ConfigError(
-                f"resuming from {path} with model.use_te_layers=true model.use_fp8=true is not supported yet: "
-                "TransformerEngine's fp8 scaling state is not in checkpoints, so the resumed run would not continue "
-                "the saved one; resume with model.use_te_layers=false (the in-tree fp8) or start a new dump_dir")
         step = load_into(path, state(), rng, sampler, group)
         log(f"resumed from {path} (step {step})")
     check_history(dump_dir, step, job)

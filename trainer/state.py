@@ -42,8 +42,11 @@ def checkpoint_state(
     loads its own and a checkpoint reloads under any pipeline layout."""
     units = [u for root in roots for u in root.units]
     opt_state = optimizer.state()
-    # fp8 scaling state: identical on every rank (plain tensors, which DCP saves once).
+    # fp8 scaling state: identical on every rank (plain tensors, which DCP saves once). The in-tree fp8
+    # keeps it in buffers; a block whose library keeps it elsewhere (TE) hands it over as scaling_state().
     fp8 = {f"{u.name}.{name}": buf for u in units for name, buf in u.module.named_buffers()}
+    fp8 |= {f"{u.name}.{name}": t for u in units if hasattr(u.module, "scaling_state")
+            for name, t in u.module.scaling_state().items()}
     moments = {}
     for u in units:
         for k in ADAM_STATE:

@@ -1,9 +1,10 @@
 """model.use_te_layers wiring on CPU: the trainer's model with TransformerEngine blocks (model/te.py) run on
-a CPU stand-in of TE's modules (tests/fake_te, no fp8) trains exactly like the in-tree blocks under
+a CPU stand-in of TE's modules (tests/fake_te) trains exactly like the in-tree blocks under
 tp x SP x FSDP (ZeRO-3, optimize_backward_concat) and tp x pp (1F1B): the same parameters, names and
 initial values, TE's weight gradients written into FSDP's accumulator through main_grad, the
 scheduler's first-microbatch marks reaching TE's forward, and TE's autocast entered with the amax
-group. TransformerEngine itself is checked by the GPU tests (tests/gpu/test_te.py)."""
+group. With fp8, TE's scaling state goes into checkpoints and a resume continues it bitwise.
+TransformerEngine itself is checked by the GPU tests (tests/gpu/test_te.py)."""
 
 import dataclasses
 import sys
@@ -14,10 +15,14 @@ import torch
 from model.args import ModelArgs
 from model.te import TEBlocks
 from parallel.mesh import ParallelMesh
+from parallel.random import RNGStreams
 from tests.distributed.pipeline_cases import SyntheticLoader, config, train
 from tests.distributed.spawn import run_ranks
+from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainConfig
+from trainer.loop import Trainer
 from trainer.run import build_trainer
+from trainer.state import checkpoint_state, load_into
 from trainer.validate import validate
 
 FAKE_TE = Path(__file__).resolve().parents[1] / "fake_te"
@@ -29,7 +34,7 @@ LAYOUTS = {
 }
 
 
-def _te_losses(cfg: TrainConfig, world: int) -> list[float]:
+def _te_trainer(cfg: TrainConfig, world: int) -> Trainer:
     """The trainer with TE blocks; validated as its in-tree twin (validate refuses TE without CUDA)."""
     twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, use_te_layers=False))
     dims = validate(twin, world)
@@ -37,13 +42,62 @@ def _te_losses(cfg: TrainConfig, world: int) -> list[float]:
     loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
     trainer = build_trainer(cfg, mesh, loader, torch.device("cpu"))
     assert all(type(b).__name__ == "TETransformerBlock" for c in trainer.chunks for b in c.layers.values())
+    return trainer
+
+
+def _te_losses(cfg: TrainConfig, world: int) -> list[float]:
+    trainer = _te_trainer(cfg, world)
     return [trainer.train_step(step).loss for step in range(1, cfg.steps + 1)]
 
 
-def _check(rank: int, world: int) -> None:
+class _FixedSampler:
+    """What checkpoint_state needs of a sampler, for SyntheticLoader's fixed batches."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_batch_size": 8}
+
+    def check_resumable(self, saved: dict[str, int]) -> None:
+        assert saved["global_batch_size"] == self.state_dict()["global_batch_size"], saved
+
+
+def _state(trainer: Trainer, rank: int, step: int) -> dict:
+    rng = RNGStreams(0, trainer.chunks[0].tp.rank, torch.device("cpu"))
+    return checkpoint_state(trainer.roots, trainer.optimizer, rng, _FixedSampler(), step, rank, pp=1)
+
+
+def _te_scaling(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": t.clone() for i, block in enumerate(b for c in trainer.chunks for b in c.layers.values())
+            for name, t in block.scaling_state().items()}
+
+
+def _check_fp8_resume(rank: int, world: int, root: str) -> None:
+    """TE fp8 (the stand-in's delayed scaling): 3 steps, a checkpoint, 3 more, against a new trainer
+    that loads the checkpoint and takes the same 3 steps: same scaling state, losses bitwise."""
+    cfg = config(model_parallel_size=2, batch_size=8, microbatch_size=2, reshard_after_forward=False, steps=6,
+                 model={"use_te_layers": True, "use_fp8": True, "fp8_amax_history_len": 4})
+    straight = _te_trainer(cfg, world)
+    for step in range(1, 4):
+        straight.train_step(step)
+    saved = save_checkpoint(Path(root), 3, _state(straight, rank, 3), torch.distributed.group.WORLD, rank, {})
+    at_step_3 = _te_scaling(straight)
+    assert len(at_step_3) == 8 * 4 * 4 and all(t.dtype == torch.float32 for t in at_step_3.values())
+    assert all((t != 1).any() for name, t in at_step_3.items() if name.endswith("scaling_fwd.scale")), at_step_3
+    want = [straight.train_step(step).loss for step in range(4, 7)]
+
+    resumed = _te_trainer(cfg, world)
+    assert load_into(saved, _state(resumed, rank, 0), RNGStreams(0, 0, torch.device("cpu")), _FixedSampler(),
+                     torch.distributed.group.WORLD) == 3
+    for name, t in _te_scaling(resumed).items():
+        assert torch.equal(t, at_step_3[name]), name
+    got = [resumed.train_step(step).loss for step in range(4, 7)]
+    assert got == want, (got, want)
+
+
+def _check(rank: int, world: int, root: str) -> None:
     sys.path.insert(0, str(FAKE_TE))
     import transformer_engine.pytorch as fake_te
 
+    _check_fp8_resume(rank, world, root)
     for label, layout in LAYOUTS.items():
         fake_te.AUTOCAST_REGIONS.clear(), fake_te.FIRST_MICROBATCH_FLAGS.clear(), fake_te.MAIN_GRAD_WRITES.clear()
         cfg = config(**{**layout, "model": {**layout.get("model", {}), "use_te_layers": True}})
@@ -62,8 +116,8 @@ def _check(rank: int, world: int) -> None:
         assert all(entry[2] is group for entry in fake_te.AUTOCAST_REGIONS), label
 
 
-def test_te_blocks_train_like_the_in_tree_blocks():
-    run_ranks(4, _check)
+def test_te_blocks_train_like_the_in_tree_blocks(tmp_path):
+    run_ranks(4, _check, str(tmp_path))
 
 
 def test_te_region_runs_fp8_only_for_forwards_with_grad(monkeypatch):

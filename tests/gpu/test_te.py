@@ -66,3 +66,33 @@ def test_te_block_matches_the_in_tree_block_on_the_same_weights(use_fp8):
     tolerance = 0.1 if use_fp8 else 2e-2
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g is not None and _relative_error(g, w) < tolerance, (i, _relative_error(g, w))
+
+
+def test_te_scaling_state_is_live_and_loads_into_a_new_block():
+    """scaling_state() returns TE's own tensors (a step changes them in place) and creates them in a block
+    that has not run yet, so a checkpoint loads into them: the new block then computes what the old one does."""
+    args = dataclasses.replace(ARGS, use_fp8=True, fp8_amax_history_len=4)
+    te_blocks = TEBlocks(args, amax_group=None)
+    with torch.device("cuda"):
+        trained, fresh = te_blocks(0, args, TPContext(), None), te_blocks(0, args, TPContext(), None)
+    fresh.load_state_dict(trained.state_dict(), strict=False)
+    blocks = (trained.bfloat16(), fresh.bfloat16())
+    for block in blocks:
+        for p in block.parameters():
+            if getattr(p, "wgrad_into_main_grad", False):
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    x = torch.randn(2, 64, args.dim, device="cuda", dtype=torch.bfloat16)
+    state = trained.scaling_state()
+    assert state and all((t == 1).all() for k, t in state.items() if k.endswith(".scale"))
+    for _ in range(3):
+        _forward_backward(trained, x, torch.randn_like(x) * 1e-2, te_blocks.region)
+    assert all((t != 1).any() for k, t in state.items() if k.endswith("scaling_fwd.scale")), state
+    loaded = fresh.scaling_state()
+    assert loaded.keys() == state.keys()
+    for name, t in loaded.items():
+        t.copy_(state[name])
+    grad = torch.randn_like(x) * 1e-2
+    got = _forward_backward(fresh, x, grad, te_blocks.region)
+    want = _forward_backward(trained, x, grad, te_blocks.region)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        assert torch.equal(g, w)

@@ -134,16 +134,3 @@ def test_wrong_types_and_unknown_keys():
         from_dict({"seed": "x"})
     with pytest.raises(ConfigError, match="optim.betas is not a known config key"):
         from_dict({"optim": {"betas": 1}})
-
-
-def test_resuming_a_te_fp8_run_is_refused_not_silently_rescaled(monkeypatch, tmp_path):
-    """TE's fp8 scaling state is not in checkpoints: resuming must stop, not restart the scales."""
-    import trainer.resume as resume_module
-
-    cfg = load("model.use_te_layers=true", "model.use_fp8=true", f"dump_dir={tmp_path}")
-    monkeypatch.setattr(resume_module, "latest_checkpoint", lambda *a, **k: tmp_path / "checkpoints" / "step_2")
-    monkeypatch.setattr(resume_module, "verify_checkpoint", lambda *a, **k: None)
-    monkeypatch.setattr(resume_module, "check_resumable", lambda *a, **k: None)
-    monkeypatch.setattr(resume_module, "load_into", lambda *a, **k: pytest.fail("loaded a TE fp8 checkpoint"))
-    with pytest.raises(ConfigError, match="model.use_te_layers=true model.use_fp8=true is not supported yet"):
-        resume_module.resume(cfg, dict, None, None, {}, 0, 1, "job", print)

@@ -4,8 +4,17 @@ It has the constructor arguments and the contracts model/te.py relies on: column
 linears whose sequence parallelism gathers and scatters along dim 0, RMSNorm fused into
 LayerNormLinear, `fuse_wgrad_accumulation` writing the weight gradient into `weight.main_grad`
 (overwriting it on the first microbatch, adding otherwise) and returning none, `is_first_microbatch`
-in forward, and an autocast region with a recipe and an amax reduction group. It computes in the
-input's dtype without fp8: it checks our wiring, not TransformerEngine (the GPU tests do that).
+in forward, and an autocast region with a recipe and an amax reduction group.
+
+fp8 is modelled by TE's delayed-scaling state, not by fp8 GEMMs: inside an enabled region each linear
+keeps `fp8_meta["scaling_fwd"]` (input, weight, output) and `fp8_meta["scaling_bwd"]` (output
+gradient, input gradient), each a scale and an amax history, created by `init_fp8_metadata` at its
+first fp8 forward. Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
+under HYBRID) and their amaxes recorded. As in TE, the outermost enabled region's exit reduces the
+forward amaxes in one all-reduce (max) over the amax group and updates scales and histories as
+DelayedScaling does, and the backward of the region's first fp8 module (its last backward) does the same
+for the backward amaxes. So the losses depend on that state, as TE's do. It checks our wiring, not
+TransformerEngine (the GPU tests do that).
 """
 
 import torch
@@ -15,6 +24,17 @@ from torch import nn
 AUTOCAST_REGIONS: list[tuple[bool, object, object]] = []  # (enabled, recipe, amax group) per region entered
 FIRST_MICROBATCH_FLAGS: list[bool | None] = []  # is_first_microbatch of every linear forward
 MAIN_GRAD_WRITES: list[int] = []  # one per weight gradient written into main_grad
+AMAX_REDUCTIONS: list[int] = []  # the number of amaxes of each reduction
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+class _Region:
+    """The innermost autocast region's settings, and the modules whose forward (backward) amaxes await
+    the next update."""
+
+    enabled, recipe, group, depth = False, None, None, 0
+    pending_fwd: dict[int, "_ParallelLinear"] = {}
+    pending_bwd: dict[int, "_ParallelLinear"] = {}
 
 
 class autocast:
@@ -23,10 +43,56 @@ class autocast:
 
     def __enter__(self):
         AUTOCAST_REGIONS.append(self.entry)
+        self.outer = (_Region.enabled, _Region.recipe, _Region.group)
+        _Region.enabled, _Region.recipe, _Region.group = self.entry
+        _Region.depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        _Region.depth -= 1
+        enabled, recipe, group = self.entry
+        if enabled and _Region.depth == 0 and torch.is_grad_enabled():
+            _update_scaling(_Region.pending_fwd, "scaling_fwd", recipe, group)
+        _Region.enabled, _Region.recipe, _Region.group = self.outer
+
+
+class _ScalingMeta:
+    """One direction's delayed-scaling state: per operand a scale and an amax history (row 0: now)."""
+
+    def __init__(self, operands: int, history_len: int, dtype: torch.dtype):
+        self.scale = torch.ones(operands)
+        self.amax_history = torch.zeros(history_len, operands)
+        self.dtype = dtype
+
+    def qdq(self, operand: int, x: torch.Tensor) -> torch.Tensor:
+        """x through this operand's fp8 cast and back, its amax recorded."""
+        with torch.no_grad():
+            slot = self.amax_history[0, operand]
+            slot.copy_(torch.maximum(slot, x.detach().abs().max().float()))
+        scale, limit = self.scale[operand], _FP8_MAX[self.dtype]
+        return ((x.float() * scale).clamp(-limit, limit).to(self.dtype).float() / scale).to(x.dtype)
+
+    def update(self, recipe) -> None:
+        history = self.amax_history
+        amax = history.max(dim=0).values if recipe.amax_compute_algo == "max" else history[0]
+        new_scale = _FP8_MAX[self.dtype] / amax / 2.0**recipe.margin
+        self.scale.copy_(torch.where(amax > 0, new_scale, self.scale))
+        history.copy_(torch.roll(history, -1, dims=0))
+        history[0].zero_()
+
+
+def _update_scaling(pending: dict, key: str, recipe, group) -> None:
+    metas = [m.fp8_meta[key] for m in pending.values()]
+    pending.clear()
+    if not metas:
+        return
+    amaxes = torch.cat([meta.amax_history[0] for meta in metas])
+    if group is not None and group.size() > 1:
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    AMAX_REDUCTIONS.append(amaxes.numel())
+    for meta, reduced in zip(metas, amaxes.split([meta.scale.numel() for meta in metas])):
+        meta.amax_history[0].copy_(reduced)
+        meta.update(recipe)
 
 
 def _gather0(x: torch.Tensor, group) -> torch.Tensor:
@@ -62,25 +128,37 @@ class _Collective(torch.autograd.Function):
 
 class FusedWgradLinear(torch.autograd.Function):
     """x @ weight^T. With `fuse` the weight gradient goes into weight.main_grad (overwritten on the first
-    microbatch, added otherwise) and none is returned; without it, it is returned as usual."""
+    microbatch, added otherwise) and none is returned; without it, it is returned as usual. With fp8
+    (`fp8`: the module, whether it is its region's first, the region's recipe and group), operands go
+    through the module's fp8 casts."""
 
     @staticmethod
-    def forward(ctx, x, weight, is_first_microbatch, fuse):
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.is_first_microbatch, ctx.fuse = weight, is_first_microbatch, fuse
-        return x @ weight.t()
+    def forward(ctx, x, weight, is_first_microbatch, fuse, fp8=None):
+        w = weight
+        if fp8 is not None:
+            scaling = fp8[0].fp8_meta["scaling_fwd"]
+            x, w = scaling.qdq(0, x), scaling.qdq(1, weight)
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.is_first_microbatch, ctx.fuse, ctx.fp8 = weight, is_first_microbatch, fuse, fp8
+        return x @ w.t()
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        grad_x = grad_out @ ctx.weight
+        x, w = ctx.saved_tensors
+        if ctx.fp8 is not None:
+            owner, region_first, recipe, group = ctx.fp8
+            grad_out = owner.fp8_meta["scaling_bwd"].qdq(0, grad_out)
+            _Region.pending_bwd[id(owner)] = owner
+            if region_first:
+                _update_scaling(_Region.pending_bwd, "scaling_bwd", recipe, group)
+        grad_x = grad_out @ w
         wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         if not ctx.fuse:
-            return grad_x, wgrad, None, None
+            return grad_x, wgrad, None, None, None
         main_grad = ctx.weight.main_grad
         main_grad.copy_(wgrad) if ctx.is_first_microbatch else main_grad.add_(wgrad)
         MAIN_GRAD_WRITES.append(1)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 class _ParallelLinear(nn.Module):
@@ -96,10 +174,25 @@ class _ParallelLinear(nn.Module):
         out_local = out_features // tp_size if parallel_mode == "column" else out_features
         in_local = in_features // tp_size if parallel_mode == "row" else in_features
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=params_dtype, device=device))
+        self.fp8, self.fp8_meta = False, {}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """The fp8 state, created in the first enabled region and kept from then on."""
+        self.fp8 = _Region.enabled
+        if self.fp8 and "scaling_fwd" not in self.fp8_meta:
+            recipe = _Region.recipe
+            backward = torch.float8_e5m2 if recipe.fp8_format.value == "hybrid" else torch.float8_e4m3fn
+            self.fp8_meta["scaling_fwd"] = _ScalingMeta(3 * num_gemms, recipe.amax_history_len, torch.float8_e4m3fn)
+            self.fp8_meta["scaling_bwd"] = _ScalingMeta(2 * num_gemms, recipe.amax_history_len, backward)
 
     def _gemm(self, x: torch.Tensor, is_first_microbatch: bool | None) -> torch.Tensor:
         FIRST_MICROBATCH_FLAGS.append(is_first_microbatch)
-        return FusedWgradLinear.apply(x, self.weight, is_first_microbatch, self.fuse)
+        self.init_fp8_metadata()
+        fp8 = None
+        if self.fp8:
+            fp8 = (self, not _Region.pending_fwd, _Region.recipe, _Region.group)
+            _Region.pending_fwd[id(self)] = self
+        return FusedWgradLinear.apply(x, self.weight, is_first_microbatch, self.fuse, fp8)
 
 
 class LayerNormLinear(_ParallelLinear):
