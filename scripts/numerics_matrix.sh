@@ -2,21 +2,26 @@
 # The parity matrix: each layout trained twice with enable_deterministic_training=true, once with
 # optimize_backward_concat=false and once with =true; the two loss curves must be bitwise equal.
 #
-#   bash scripts/numerics_matrix.sh [--gpu] [--out DIR]
+#   bash scripts/numerics_matrix.sh [--gpu] [--out DIR] [--rows a,c]
 #
 # CPU size (default): model=tiny with 4 layers, 8 gloo ranks, a few steps. --gpu: model=small on 8 GPUs.
+# --rows: only the rows with these letters (default: all).
 # Rows whose capability is not built yet print "not supported yet" instead of failing the script. Exit
 # code 1 if any built row is not bitwise equal.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=dump/numerics_matrix
+ONLY=""
 SIZE=(model=tiny model.n_layers=4 seq_len=32 steps=3 optim.warmup_steps=1 log_all_steps=true)
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpu) SIZE=(model=small seq_len=1024 steps=20 log_all_steps=true); shift ;;
-    --out) OUT="$2"; shift 2 ;;
-    *) echo "usage: numerics_matrix.sh [--gpu] [--out DIR]" >&2; exit 2 ;;
+    --out|--rows)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT="$2"; else ONLY=",$2,"; fi
+      shift 2 ;;
+    *) echo "usage: numerics_matrix.sh [--gpu] [--out DIR] [--rows a,c]" >&2; exit 2 ;;
   esac
 done
 PY=.venv/bin/python
@@ -32,6 +37,15 @@ ROWS=(
   "e tp2 pp2 dp2 bf16 interleaved vpp=2|${TP2PP2DP2[*]} pipeline_schedule=interleaved_1f1b num_layers_per_virtual_pipeline_stage=1 compute_dtype=bf16"
 )
 
+if [ -n "$ONLY" ]; then
+  for letter in $(echo "${ONLY//,/ }"); do
+    if ! printf '%s\n' "${ROWS[@]}" | grep -q "^$letter "; then
+      echo "error: --rows: no row '$letter' (rows: $(printf '%s\n' "${ROWS[@]}" | cut -c1 | paste -sd' '))" >&2
+      exit 2
+    fi
+  done
+fi
+
 status=0
 printf '| %-38s | %-60s |\n' "config (8 ranks)" "optimize_backward_concat off vs on"
 printf '|%s|%s|\n' "$(printf -- '-%.0s' {1..40})" "$(printf -- '-%.0s' {1..62})"
@@ -39,6 +53,7 @@ for row in "${ROWS[@]}"; do
   name="${row%%|*}"
   read -r -a overrides <<< "${row#*|}"
   slug="${name%% *}"
+  [ -z "$ONLY" ] || [[ "$ONLY" == *",$slug,"* ]] || continue
   result=""
   for concat in false true; do
     dump="$OUT/$slug-concat_$concat"

@@ -1,16 +1,28 @@
-"""scripts/numerics_matrix.sh at CPU size: every row is bitwise equal with optimize_backward_concat off
-and on (row a in fp8, with model.fp8_wgrad=true and reshard_after_forward=false)."""
+"""scripts/numerics_matrix.sh at CPU size, rows a (tp2 pp2 dp2 in fp8, with model.fp8_wgrad=true and
+reshard_after_forward=false) and b (tp2 dp4, microbatches): each bitwise equal with
+optimize_backward_concat off and on. Rows c-e (bf16 gpipe, 1f1b, interleaved on tp2 pp2 dp2 with SP) are
+the layouts tests/distributed/test_pipeline.py::test_tp_pp_dp_composition checks for the same bitwise
+equality in-process; running them here too would cost six more 8-rank launches (~2.5 minutes of CI)."""
 
 import subprocess
 
 from tests.e2e.launch import ENV, REPO
 
 
+def _matrix(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/numerics_matrix.sh", *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=1200)
+
+
 def test_numerics_matrix_cpu(tmp_path):
-    proc = subprocess.run(["bash", "scripts/numerics_matrix.sh", "--out", str(tmp_path)], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=1200)
+    proc = _matrix("--out", str(tmp_path), "--rows", "a,b")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()[2:]}
-    for name in ("a tp2 pp2 dp2 fp8 gpipe", "b tp2 dp4 bf16 microbatches", "c tp2 pp2 dp2 bf16 gpipe", "d tp2 pp2 dp2 bf16 1f1b",
-                 "e tp2 pp2 dp2 bf16 interleaved vpp=2"):
-        assert rows[name].startswith("bitwise equal over 3 steps; TFLOP/s"), (name, rows[name])
+    assert set(rows) == {"a tp2 pp2 dp2 fp8 gpipe", "b tp2 dp4 bf16 microbatches"}, rows
+    for name, result in rows.items():
+        assert result.startswith("bitwise equal over 3 steps; TFLOP/s"), (name, result)
+
+
+def test_numerics_matrix_refuses_an_unknown_row():
+    proc = _matrix("--rows", "a,q")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --rows: no row 'q' (rows: a b c d e)", proc.stderr
