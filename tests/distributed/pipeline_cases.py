@@ -42,8 +42,10 @@ class SyntheticLoader:
         return [(mine[i : i + size, :-1], mine[i : i + size, 1:]) for i in range(0, per_rank, size)]
 
 
-def make_trainer(cfg: TrainConfig, world: int) -> Trainer:
-    dims = validate(cfg, world)
+def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> Trainer:
+    """`validate_as`: the config validated in cfg's place (one that validation would refuse on this
+    machine, e.g. TransformerEngine blocks on CPU, is validated as its twin)."""
+    dims = validate(validate_as or cfg, world)
     mesh = ParallelMesh(dims, "cpu")
     loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
     return build_trainer(cfg, mesh, loader, torch.device("cpu"))

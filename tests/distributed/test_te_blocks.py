@@ -14,16 +14,13 @@ import torch
 
 from model.args import ModelArgs
 from model.te import TEBlocks
-from parallel.mesh import ParallelMesh
 from parallel.random import RNGStreams
-from tests.distributed.pipeline_cases import SyntheticLoader, config, train
+from tests.distributed.pipeline_cases import config, make_trainer, train
 from tests.distributed.spawn import run_ranks
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
-from trainer.run import build_trainer
 from trainer.state import checkpoint_state, load_into
-from trainer.validate import validate
 
 FAKE_TE = Path(__file__).resolve().parents[1] / "fake_te"
 LAYOUTS = {
@@ -37,10 +34,7 @@ LAYOUTS = {
 def _te_trainer(cfg: TrainConfig, world: int) -> Trainer:
     """The trainer with TE blocks; validated as its in-tree twin (validate refuses TE without CUDA)."""
     twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, use_te_layers=False))
-    dims = validate(twin, world)
-    mesh = ParallelMesh(dims, "cpu")
-    loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
-    trainer = build_trainer(cfg, mesh, loader, torch.device("cpu"))
+    trainer = make_trainer(cfg, world, validate_as=twin)
     assert all(type(b).__name__ == "TETransformerBlock" for c in trainer.chunks for b in c.layers.values())
     return trainer
 
