@@ -66,11 +66,18 @@ def test_metrics_contract(layout_runs):
             assert {op: v["count"] for op, v in records[-1]["comm"].items()} == expected[name], name
 
 
-@pytest.mark.parametrize("layout", [("batch_size=2",), ("batch_size=4", "model_parallel_size=2", "model.sequence_parallel=true"),
-                                    ("batch_size=4", "context_parallel_size=2", "context_parallel_comm=ring")],
-                         ids=["dp2", "tp2sp", "cp2ring"])
-def test_resume_is_bitwise(tmp_path, layout):
-    straight = losses(train_ok(2, tmp_path / "straight", *FAST, "steps=6", *layout))
+RESUME_LAYOUTS = {  # the first two are layout_runs' (ZeRO-2 and tp x SP), whose runs are the straight ones
+    "dp2": LAYOUTS["dp2"][1],
+    "tp2sp": LAYOUTS["tp2sp"][1],
+    "cp2ring": ("batch_size=4", "context_parallel_size=2", "context_parallel_comm=ring"),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
+def test_resume_is_bitwise(tmp_path, layout_runs, name):
+    layout = RESUME_LAYOUTS[name]
+    straight_run = layout_runs[name] if name in layout_runs else train_ok(2, tmp_path / "straight", *FAST, "steps=6", *layout)
+    straight = losses(straight_run)
     resumed_dir = tmp_path / "resumed"
     # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
     train_ok(2, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
