@@ -202,27 +202,34 @@ def _fit(
     background = AsyncCheckpointer(ckpt_root, dist.group.WORLD, trainer.mesh.checkpoint_group, rank,
                                    cfg.checkpoint.keep, extra_files, log, trainer.device) \
         if cfg.checkpoint.async_save else None
-    for step in range(start_step + 1, cfg.steps + 1):
-        with profiler.step(step), memory.recording(step):
-            m = trainer.train_step(step)
-        memory.after_step(step)
-        evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
-        if evaluate:
-            m.eval_loss = trainer.evaluate()
-        if evaluate or cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
-            metrics.log(m)
-            if tensorboard is not None:
-                tensorboard.log(m)
-        stopping = stop.agreed() and step < cfg.steps
+    try:
+        for step in range(start_step + 1, cfg.steps + 1):
+            with profiler.step(step), memory.recording(step):
+                m = trainer.train_step(step)
+            memory.after_step(step)
+            evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
+            if evaluate:
+                m.eval_loss = trainer.evaluate()
+            if evaluate or cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
+                metrics.log(m)
+                if tensorboard is not None:
+                    tensorboard.log(m)
+            stopping = stop.agreed() and step < cfg.steps
+            if background is not None:
+                background.poll()
+            if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
+                _checkpoint(cfg, trainer, step, state, extra_files, rank, log, background, in_background=not stopping)
+            if stopping:
+                if rank == 0:
+                    stop.record(step)
+                log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
+                break
+    except FloatingPointError:
+        # A non-finite halt is agreed by every rank, so they can still complete the save in flight
+        # together: it holds the last good state, which the next job's folder clean-up would delete.
         if background is not None:
-            background.poll()
-        if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
-            _checkpoint(cfg, trainer, step, state, extra_files, rank, log, background, in_background=not stopping)
-        if stopping:
-            if rank == 0:
-                stop.record(step)
-            log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
-            break
+            background.wait()
+        raise
     if background is not None:
         background.wait()
     if tensorboard is not None:

@@ -10,7 +10,9 @@ POINT is where in step STEP worker RANK dies:
   save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
   save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
 or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
-reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first).
+reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first);
+with POINT `halt` and RANK `all`, every worker raises FloatingPointError as step STEP begins, as an
+agreed nan_policy=halt stop does.
 The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
@@ -48,6 +50,8 @@ def arm(point: str, step: int) -> None:
         current["step"] = s
         if point == "step_start" and s == step:
             die(f"{point}:{step}")
+        if point == "halt" and s == step:
+            raise FloatingPointError(f"step {s}: non-finite gradient (faulty_train)")
         return train_step(self, s)
 
     loop.Trainer.train_step = counting_train_step
@@ -101,8 +105,8 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in (*POINTS, "stall"), point
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RANK") == rank:
+    assert point in (*POINTS, "stall", "halt"), point
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank in ("all", os.environ.get("RANK")):
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")
