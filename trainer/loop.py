@@ -48,7 +48,6 @@ class Trainer:
     flops_per_token: float
     peak_flops: float | None
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
-    skipped_steps: int = 0  # steps whose update nan_policy=skip left out
 
     @cached_property
     def fp8_gemms(self) -> list[Fp8Gemm]:
@@ -81,7 +80,6 @@ class Trainer:
             self.optimizer.step(lr)
         elif self.cfg.nan_policy == "skip":
             discard_step_amaxes(self.fp8_gemms)  # a skipped step's (non-finite) amaxes never enter the history
-            self.skipped_steps += 1
         else:
             unit = first_nonfinite_unit(self.roots, self.mesh.rank_in("pp"), self.mesh.dims.pp)
             raise FloatingPointError(halt_message(step, loss, norm, unit))
@@ -162,5 +160,7 @@ class Trainer:
             mfu_compute=None if self.peak_flops is None else flops_per_device * elapsed / computing_s / self.peak_flops,
             mem_peak_gib=peak_memory_gib(self.device),
             comm=comm.LEDGER.by_op(),
-            skipped_steps=self.skipped_steps,
+            # Steps that made no update (nan_policy=skip), counted from the optimizer's own step count,
+            # which checkpoints carry: so the count survives a resume.
+            skipped_steps=step - self.optimizer.updates(),
         )

@@ -53,6 +53,10 @@ class NamedAdamW:
         for p in self.params:
             p.grad = None
 
+    def updates(self) -> int:
+        """How many updates this optimizer has made (all parameters step together)."""
+        return max((int(slot["step"]) for slot in self._state.values()), default=0)
+
     def named_params(self) -> dict[str, nn.Parameter]:
         return dict(zip(self.names, self.params))
 

@@ -46,6 +46,13 @@ def _check(rank: int, world: int) -> None:
     assert [m.skipped_steps for m in metrics] == [0, 1, 1, 1]
     assert not all(torch.equal(a, b) for a, b in zip(before, _weights(trainer)))  # training went on
 
+    # What a checkpoint carries (the optimizer's state) keeps the count: a resumed trainer reports it.
+    resumed = make_trainer(config(batch_size=2, steps=5, nan_policy="skip"), world)
+    for name, slot in resumed.optimizer.state().items():
+        for key, value in slot.items():
+            value.copy_(trainer.optimizer.state()[name][key])
+    assert resumed.train_step(5).skipped_steps == 1
+
     trainer = make_trainer(config(batch_size=2, steps=4), world)  # nan_policy=halt, the default
     _inject_nan(trainer, rank)
     trainer.train_step(1)

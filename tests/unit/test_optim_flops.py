@@ -61,7 +61,8 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
     args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128)
     per_token = training_flops_per_token(args, 128)
     trainer = SimpleNamespace(global_tokens=4 * 128, flops_per_token=per_token, mesh=SimpleNamespace(
-        dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"), skipped_steps=0)
+        dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"),
+        optimizer=SimpleNamespace(updates=lambda: 1))
     comm.LEDGER.reset()
     comm.LEDGER.wait_s = 0.25
     m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
@@ -93,4 +94,4 @@ def test_adamw_is_torch_adamw_bitwise():
             assert torch.equal(p.detach(), q.detach()), step
     state = ours.state()["weight"]
     assert torch.equal(state["exp_avg_sq"], reference.state[theirs[0]]["exp_avg_sq"])
-    assert state["step"].item() == 7.0
+    assert state["step"].item() == 7.0 and ours.updates() == 7
