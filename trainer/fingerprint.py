@@ -26,16 +26,20 @@ SCHEDULE = tuple(
 )
 FP8 = tuple(f"model.{k}" for k in ("fp8_format", "fp8_margin", "fp8_amax_compute_algo", "fp8_all_gather"))
 PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad", *FP8)
+# The same model computed by other kernels: the numerics change, the weights mean the same.
+KERNELS = ("model.use_te_layers", "model.efficient_attn")
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
 # are resolved first. The amax history's length is its checkpointed shape: it cannot change.
-_AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], "model.fp8_amax_history_len", "seq_len", "seed",
-                  "data.held_out_fraction")
+_AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8_amax_history_len", "seq_len",
+                  "seed", "data.held_out_fraction")
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
-# fp8 defaults; no held-out split).
-_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, "model.fp8_amax_history_len")} | {
+# defaults; no held-out split).
+_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KERNELS, "model.fp8_amax_history_len")} | {
     "data.held_out_fraction": 0.0}
 # Keys a resume may change when the user names them in resume.allow_changed.
-ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION)
+ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS)
+_FORMAT_HINT = ("the checkpoint's fp8 scales were computed for the old format's range and would quantize the "
+                "first resumed step wrongly (an E5M2 gradient scale overflows E4M3)")
 _HINTS = {
     "optim.decay_steps": "where the LR decay ends: optim.decay_steps, or steps when unset; pass "
                          "optim.decay_steps={old} to continue the same schedule",
@@ -77,14 +81,16 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
         raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}); "
                           "it was not written by this trainer, or is damaged")
     saved = _ABSENT_MEANS_DEFAULT | saved
-    changed = [key for key in current if saved.get(key) != current[key] and key not in allowed]
+    # The fp8 format may change only where no saved scales carry over (fp8 off before or now).
+    refused = {"model.fp8_format"} if saved.get("model.use_fp8") and current.get("model.use_fp8") else set()
+    changed = [key for key in current if saved.get(key) != current[key] and (key not in allowed or key in refused)]
     if not changed:
         return
     parts = []
     for key in changed:
-        hint = _HINTS.get(key, "").format(old=saved.get(key))
+        hint = _FORMAT_HINT if key in refused else _HINTS.get(key, "").format(old=saved.get(key))
         parts.append(f"{key} {saved.get(key)!r} -> {current[key]!r}" + (f" ({hint})" if hint else ""))
-    allowable = all(key in ALLOWABLE for key in changed)
+    allowable = all(key in ALLOWABLE and key not in refused for key in changed)
     remedy = f"; to change it anyway pass resume.allow_changed=[{','.join(changed)}]" if allowable else ""
     raise ConfigError(
         f"resuming from {checkpoint} would change the run: {'; '.join(parts)}. Use a new dump_dir for a "

@@ -73,6 +73,11 @@ def load_into(
         del state["rng"]  # another layout: this rank's streams were not saved, start them fresh
     if "fp8" in state and not any(k.startswith("fp8.") for k in saved_keys):
         del state["fp8"]  # fp8 switched on at this resume (resume.allow_changed): scaling starts fresh
+    missing = [name for name in state.get("fp8", {}) if f"fp8.{name}" not in saved_keys]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has fp8 scaling state, but not this model's ({missing[0]}): it was "
+                              "saved with the other fp8 implementation (model.use_te_layers); resume with the "
+                              "model.use_te_layers of the run that saved it")
     load_checkpoint(path, state, group)
     sampler.check_resumable({k: int(v) for k, v in state["trainer"].items()})
     if "rng" in state:

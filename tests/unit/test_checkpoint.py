@@ -57,3 +57,18 @@ def test_metadata_with_arbitrary_code_is_refused(tmp_path, world):
     target = {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.tensor(0)}}
     with pytest.raises(CheckpointError, match="cannot be loaded"):
         load_checkpoint(path, target, world)
+
+
+def test_fp8_state_of_the_other_implementation_is_one_clear_error(tmp_path, world):
+    """A checkpoint with in-tree fp8 state resumed by TE blocks (model.use_te_layers switched, allowed):
+    refused naming the switch, not DCP's missing-key dump and not a silent fresh start."""
+    from trainer.state import load_into
+
+    def run_state(fp8: dict) -> dict:
+        return {"fp8": fp8, "trainer": {"step": torch.tensor(3)}, "rng": {"rank0": {"shared": torch.zeros(2)}}}
+
+    path = save_checkpoint(tmp_path, 3, run_state({"layers.0.attention.wqkv.fp8.scale": torch.ones(3)}), world,
+                           rank=0, extra_files={})
+    te_state = run_state({"layers.0.attention.wqkv.scaling_fwd.scale": torch.ones(3)})
+    with pytest.raises(CheckpointError, match="saved with the other fp8 implementation .model.use_te_layers."):
+        load_into(path, te_state, rng=None, sampler=None, group=world)

@@ -1,0 +1,45 @@
+"""The resume fingerprint: which changes a resume refuses, which it lets the user allow, and how it says so."""
+
+import json
+
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.config import from_dict
+from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, run_fingerprint
+
+
+def _fingerprint(**model) -> dict:
+    cfg = from_dict({"model": {"name": "tiny", **model}})
+    return run_fingerprint(cfg, "float32", 8, "a" * 64, "d" * 16)
+
+
+def _saved(tmp_path, fingerprint: dict, drop: tuple[str, ...] = ()):
+    (tmp_path / FINGERPRINT_FILE).write_text(json.dumps({k: v for k, v in fingerprint.items() if k not in drop}))
+    return tmp_path
+
+
+def test_kernel_switches_are_named_and_allowable(tmp_path):
+    saved = _saved(tmp_path, _fingerprint())
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, _fingerprint(efficient_attn="math"), allowed=[])
+    assert "model.efficient_attn 'sdpa' -> 'math'" in str(err.value)
+    assert "resume.allow_changed=[model.efficient_attn]" in str(err.value)
+    check_resumable(saved, _fingerprint(use_te_layers=True), allowed=["model.use_te_layers"])
+
+
+def test_an_older_fingerprint_without_the_kernel_keys_means_the_defaults(tmp_path):
+    saved = _saved(tmp_path, _fingerprint(), drop=("model.use_te_layers", "model.efficient_attn"))
+    check_resumable(saved, _fingerprint(), allowed=[])
+
+
+def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):
+    saved = _saved(tmp_path, _fingerprint(use_fp8=True))
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, _fingerprint(use_fp8=True, fp8_format="e4m3"), allowed=["model.fp8_format"])
+    message = str(err.value)
+    assert "model.fp8_format 'hybrid' -> 'e4m3'" in message and "old format's range" in message
+    assert "allow_changed" not in message and "\n" not in message
+    # Without saved scales (fp8 was off) the format is free to change, when allowed.
+    check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint(use_fp8=True, fp8_format="e4m3"),
+                    allowed=["model.use_fp8", "model.fp8_format"])
