@@ -217,7 +217,8 @@ def _fit(
             stopping = stop.agreed() and step < cfg.steps
             if background is not None:
                 background.poll()
-            if (cfg.checkpoint.freq and step % cfg.checkpoint.freq == 0) or stopping:
+            # With checkpoints on, the last step is saved too: steps past the last multiple of freq are not lost.
+            if (cfg.checkpoint.freq and (step % cfg.checkpoint.freq == 0 or step == cfg.steps)) or stopping:
                 _checkpoint(cfg, trainer, step, state, extra_files, rank, log, background, in_background=not stopping)
             if stopping:
                 if rank == 0:

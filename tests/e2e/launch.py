@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,14 @@ def train_ok(nproc: int, dump_dir: Path, *overrides: str, **kw) -> list[dict]:
     proc = train(nproc, dump_dir, *overrides, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return metrics(dump_dir)
+
+
+def died_before_saving(dump_dir: Path, step: int) -> None:
+    """Make a finished job look like one that died after logging `step` but before its checkpoint: the
+    last step is always saved, so remove that save (and check it was written)."""
+    path = dump_dir / "checkpoints" / f"step_{step}"
+    assert (path / "manifest.json").is_file(), f"the last step's checkpoint {path} was not written"
+    shutil.rmtree(path)
 
 
 def metrics(dump_dir: Path) -> list[dict]:

@@ -3,7 +3,7 @@ so a resume continues bitwise."""
 
 import math
 
-from tests.e2e.launch import losses, metrics, train_ok
+from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 from trainer.checkpoint import checkpoint_keys
 
 TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true")
@@ -23,6 +23,7 @@ def test_fp8_resume_is_bitwise(tmp_path):
     straight = losses(train_ok(2, tmp_path / "straight", *fp8, "steps=6"))
     resumed_dir = tmp_path / "resumed"
     train_ok(2, resumed_dir, *fp8, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3")
+    died_before_saving(resumed_dir, 4)
     keys = checkpoint_keys(resumed_dir / "checkpoints" / "step_3")
     assert "fp8.layers.0.attention.wqkv.gemm.scale" in keys and "fp8.layers.1.feed_forward.w2.gemm.amax_history" in keys
     train_ok(2, resumed_dir, *fp8, "steps=6", "checkpoint.freq=3")

@@ -4,7 +4,7 @@ checkpoint reloads without pipeline parallelism (units are keyed by their names 
 import math
 import shutil
 
-from tests.e2e.launch import losses, metrics, train_ok
+from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 
 FAST = ("model=tiny", "model.n_layers=4", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true")
 # 2 stages x 2 chunks of one layer; 3 microbatches, not a multiple of the 2 stages.
@@ -18,6 +18,7 @@ def test_interleaved_resume_is_bitwise_and_reloads_without_pipeline(tmp_path):
     resumed_dir = tmp_path / "resumed"
     # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
     train_ok(2, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *INTERLEAVED)
+    died_before_saving(resumed_dir, 4)
     train_ok(2, resumed_dir, *FAST, "steps=6", "checkpoint.freq=3", *INTERLEAVED)
     records = metrics(resumed_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]

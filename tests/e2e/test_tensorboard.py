@@ -5,7 +5,7 @@ import math
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.e2e.launch import metrics, train_ok
+from tests.e2e.launch import died_before_saving, metrics, train_ok
 
 TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "metrics.tensorboard=true",
         "eval.freq=2", "eval.steps=1")
@@ -20,6 +20,7 @@ def _scalars(dump_dir, tag: str) -> dict[int, float]:
 def test_tensorboard_events_hold_the_logged_steps_once(tmp_path):
     dump = tmp_path / "run"
     train_ok(0, dump, *TINY, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3")
+    died_before_saving(dump, 4)
     train_ok(0, dump, *TINY, "steps=6", "checkpoint.freq=3")  # resumes from step 3: redoes step 4
     records = {r["step"]: r for r in metrics(dump)}
     loss = _scalars(dump, "train/loss")

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from scripts.compare_runs import main as compare_runs
-from tests.e2e.launch import losses, metrics, train_ok
+from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 
 # Small and quick: tiny model, short sequences, a warmup short enough for the loss to move in 6 steps.
 FAST = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true")
@@ -82,6 +82,7 @@ def test_resume_is_bitwise(tmp_path, layout_runs, name):
     # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
     train_ok(2, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
     assert (resumed_dir / "checkpoints" / "step_3" / "manifest.json").is_file()
+    died_before_saving(resumed_dir, 4)
     train_ok(2, resumed_dir, *FAST, "steps=6", "checkpoint.freq=3", *layout)
     records = metrics(resumed_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # step 4 was redone, and logged once
