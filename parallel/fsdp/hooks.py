@@ -77,6 +77,13 @@ def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) 
         comm.set_where("unit", f"forward of {unit.name}")
     unit.unshard()
     if in_backward():
+        if torch.is_grad_enabled() and not unit.views_have_autograd_edges():
+            # A reentrant checkpoint around the unit ran its forward under no_grad: the recompute would
+            # use views without an autograd edge, and the unit's gradients would vanish without an error.
+            raise RuntimeError(
+                f"FSDP unit {unit.name} is recomputed in backward with parameter views made without grad (a "
+                "reentrant activation checkpoint around an FSDP unit would silently drop its gradients); "
+                "checkpoint with use_reentrant=False, or inside the unit (parallel.checkpointing.checkpoint_forward)")
         return None
     routed = None
     if torch.is_grad_enabled():

@@ -255,6 +255,10 @@ class FSDPUnit:
             views[i].main_grad = piece.view(self.spec.shapes[i])
             self._main_grad_views.append(views[i])
 
+    def views_have_autograd_edges(self) -> bool:
+        """Whether the installed parameter views lead back to the flat parameter in autograd."""
+        return all(getattr(sub, attr).grad_fn is not None for sub, attr in self._owners)
+
     def release_main_grads(self) -> None:
         """The accumulator went to its reduction: views no longer point into it, so it is freed once
         reduced instead of living on (in the installed views) until the unit's next forward."""
