@@ -234,14 +234,14 @@ class FSDPUnit:
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self).views
+        for (sub, attr), view in zip(self._owners, views):
+            setattr(sub, attr, view)
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
         # would vanish without an error. Every view must have a grad_fn when grad is enabled.
-        if torch.is_grad_enabled() and any(v.grad_fn is None for v in views):
+        if torch.is_grad_enabled() and not self.views_have_autograd_edges():
             raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
         if self.main_grad_params and torch.is_grad_enabled():
             self._bind_main_grads(views)
-        for (sub, attr), view in zip(self._owners, views):
-            setattr(sub, attr, view)
 
     def _bind_main_grads(self, views: list[torch.Tensor]) -> None:
         """Give the views of main_grad parameters their slices of the fp32 accumulator, which therefore

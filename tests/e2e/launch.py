@@ -11,22 +11,26 @@ REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = REPO / ".cache" / "data"
 
 
-def command(nproc: int, dump_dir: Path, *overrides: str) -> list[str]:
-    """train.py on `nproc` CPU ranks under torchrun, or as a plain process for nproc=0."""
+def command(nproc: int, dump_dir: Path, *overrides: str, fault: str | None = None, max_restarts: int = 0) -> list[str]:
+    """train.py on `nproc` CPU ranks under torchrun, or as a plain process for nproc=0. `fault`: run it
+    through tests/e2e/faulty_train.py with that fault (POINT:STEP:RANK)."""
     args = [f"dump_dir={dump_dir}", f"data.cache_dir={DATA_CACHE}", *overrides]
-    script = str(REPO / "train.py")
+    script = [str(REPO / "train.py")] if fault is None else [str(REPO / "tests" / "e2e" / "faulty_train.py"), fault]
     if nproc == 0:
-        return [sys.executable, script, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+        return [sys.executable, *script, *args]
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
+            *script, *args]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def train(nproc: int, dump_dir: Path, *overrides: str, cwd: Path | None = None, timeout: float = 300):
-    """Launch train.py and wait; returns the CompletedProcess."""
-    return subprocess.run(command(nproc, dump_dir, *overrides), cwd=cwd or REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def train(nproc: int, dump_dir: Path, *overrides: str, cwd: Path | None = None, timeout: float = 300,
+          fault: str | None = None, max_restarts: int = 0):
+    """Launch train.py (with `fault`: through faulty_train.py) and wait; returns the CompletedProcess."""
+    return subprocess.run(command(nproc, dump_dir, *overrides, fault=fault, max_restarts=max_restarts),
+                          cwd=cwd or REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def start(nproc: int, dump_dir: Path, *overrides: str) -> subprocess.Popen:

@@ -3,11 +3,9 @@ that halts while a save is in flight completes that save first."""
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.e2e.launch import DATA_CACHE, ENV, REPO, losses, metrics, train
+from tests.e2e.launch import losses, metrics, train
 from trainer.dcp_io import SafeFileSystemReader
 
 RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "batch_size=2",
@@ -18,21 +16,13 @@ def shard_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.glob("*.distcp")}
 
 
-def _halting_at_step_3(dump_dir: Path) -> subprocess.CompletedProcess:
-    """Every rank stops as step 3 begins (an agreed nan_policy=halt), step 2's save still in flight:
-    nothing polled it yet, so only the halt's own wait can complete it."""
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "e2e" / "faulty_train.py"), "halt:3:all", f"dump_dir={dump_dir}",
-         f"data.cache_dir={DATA_CACHE}", *RUN, "steps=6", "checkpoint.async_save=true"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-
-
 def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
     sync, background = tmp_path / "sync", tmp_path / "async"
     reference = train(2, sync, *RUN, "steps=6")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    first = _halting_at_step_3(background)
+    # Every rank stops as step 3 begins (an agreed nan_policy=halt), step 2's save still in flight:
+    # nothing polled it yet, so only the halt's own wait can complete it.
+    first = train(2, background, *RUN, "steps=6", "checkpoint.async_save=true", fault="halt:3:all")
     assert first.returncode != 0 and "non-finite gradient (faulty_train)" in first.stderr, first.stderr[-3000:]
     assert (background / "checkpoints" / "step_2" / "manifest.json").is_file(), first.stdout + first.stderr[-3000:]
     resumed = train(2, background, *RUN, "steps=6", "checkpoint.async_save=true")

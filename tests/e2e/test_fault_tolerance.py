@@ -4,14 +4,13 @@ checkpoint and ends with the losses of a run that was never interrupted, bit for
 
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.faulty_train import POINTS
-from tests.e2e.launch import DATA_CACHE, ENV, REPO, error_lines, losses, metrics, train_ok
+from tests.e2e.launch import error_lines, losses, metrics, train, train_ok
 
 RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "steps=6",
        "batch_size=2", "checkpoint.freq=2", "checkpoint.keep=1")
@@ -24,10 +23,7 @@ def straight(tmp_path_factory) -> dict[int, float]:
 
 
 def run_with_fault(dump_dir: Path, fault: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
-           str(REPO / "tests" / "e2e" / "faulty_train.py"), fault, f"dump_dir={dump_dir}",
-           f"data.cache_dir={DATA_CACHE}", *RUN]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    return train(2, dump_dir, *RUN, fault=fault, max_restarts=2)
 
 
 def assert_recovered(proc: subprocess.CompletedProcess, dump_dir: Path, fault: str, straight: dict[int, float]) -> None:
@@ -72,10 +68,8 @@ def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):
     """Rank 1 of 3 sleeps at step 3's first gradient reduce-scatter: ranks 0 and 2, waiting in it, each
     fail with one line naming the op, the group, the step and the unit, within comm_timeout_s + 10 s;
     the job exits non-zero instead of hanging."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(REPO / "tests" / "e2e" / "faulty_train.py"), "stall:3:1", f"dump_dir={tmp_path / 'dump'}",
-           f"data.cache_dir={DATA_CACHE}", "model=tiny", "seq_len=64", "steps=6", "batch_size=1", "comm_timeout_s=5"]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = train(3, tmp_path / "dump", "model=tiny", "seq_len=64", "steps=6", "batch_size=1", "comm_timeout_s=5",
+                 fault="stall:3:1", timeout=120)
     ended = time.time()
     stalled = float(proc.stderr.split("faulty_train: stalling at ")[1].split()[0])
     assert proc.returncode != 0
