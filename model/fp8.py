@@ -5,12 +5,21 @@ weight and the output gradient) as buffers, so FSDP materializes them and checkp
 
     amax_history [history_len, 3]   row 0: the amaxes of the running step (max over its microbatches)
     scale        [3]                what each operand is multiplied by before the cast to fp8
+    scale_is_set [3]                whether a step's amax has set that scale yet
 
 After a step, `update_scaling` reduces row 0 of every gemm of the rank in ONE all-reduce (max) over
 the amax group, so every rank holds the same scales; then each gemm computes its new scales from the
 history and rolls it (row 0 starts the next step at zero). The next step quantizes with them: delayed
 scaling. As in TransformerEngine: scale = fp8_max / amax / 2^margin with amax the history's max
 ("max") or row 0 ("most_recent"); a zero or non-finite amax keeps the previous scale.
+
+Unlike TransformerEngine, the first step does not cast with the initial scale of 1: step 1's output
+gradients (the loss is divided by the global token count) are ~1e-5..1e-7, below what E5M2 holds at
+scale 1, so whole weight gradients would come out exactly zero. Until a step has set it, an
+activation operand (input, output gradient) is cast with the scale of its own amax ("current"
+scaling, rank-local: each GEMM dequantizes its own operands). Weights are known before any data: the
+trainer records their amaxes in a "step 0" update (`record_weight_amax`, then `update_scaling`), so
+step 1 casts them with a recipe scale that is the same on every rank, as the fp8 all-gather needs.
 
 Formats: "hybrid" casts inputs and weights to E4M3 and output gradients to E5M2 (more range, the
 gradients need it); "e4m3" uses E4M3 for all three. GEMMs run through torch._scaled_mm with the
@@ -50,8 +59,16 @@ class Fp8Recipe:
 
     def fp8_max(self) -> torch.Tensor:
         """Per operand (input, weight, output gradient): the largest finite value of its format."""
-        fwd, bwd = FP8_MAX[self.forward_dtype], FP8_MAX[self.backward_dtype]
-        return torch.tensor([fwd, fwd, bwd], dtype=torch.float32)
+        return torch.tensor([self.operand_max(op) for op in (INPUT, WEIGHT, GRAD_OUTPUT)], dtype=torch.float32)
+
+    def operand_max(self, operand: int) -> float:
+        return FP8_MAX[self.backward_dtype if operand == GRAD_OUTPUT else self.forward_dtype]
+
+
+def recipe_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, fallback: torch.Tensor) -> torch.Tensor:
+    """fp8_max / amax / 2^margin; `fallback` where the amax is zero or non-finite."""
+    valid = (amax > 0) & torch.isfinite(amax)
+    return torch.where(valid, fp8_max / amax / 2.0**margin, fallback)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -82,8 +99,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, gemm, w_fp8):
         recipe = gemm.recipe
         rows = x.reshape(-1, x.shape[-1])
-        gemm.record_amax(INPUT, rows)
-        scale_x = gemm.scale[INPUT].clone()
+        scale_x = gemm.activation_scale(INPUT, rows)
         x_fp8 = quantize(rows, scale_x, recipe.forward_dtype)
         inv_x, inv_w = scale_x.reciprocal(), gemm.scale[WEIGHT].reciprocal()
         out = scaled_mm(x_fp8, w_fp8, inv_x, inv_w, x.dtype)
@@ -98,8 +114,7 @@ class _Fp8Linear(torch.autograd.Function):
         gemm, recipe = ctx.gemm, ctx.gemm.recipe
         (saved_x,) = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
-        gemm.record_amax(GRAD_OUTPUT, grad_rows)
-        scale_g = gemm.scale[GRAD_OUTPUT].clone()
+        scale_g = gemm.activation_scale(GRAD_OUTPUT, grad_rows)
         g_fp8 = quantize(grad_rows, scale_g, recipe.backward_dtype)
         inv_g = scale_g.reciprocal()
         grad_x = scaled_mm(g_fp8, ctx.w_fp8.t(), inv_g, ctx.inv_w, grad_out.dtype)
@@ -123,6 +138,7 @@ class Fp8Gemm(nn.Module):
         self.recipe = recipe
         self.register_buffer("amax_history", torch.zeros(recipe.amax_history_len, 3))
         self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("scale_is_set", torch.zeros(3, dtype=torch.bool))
         self.is_first_microbatch: bool | None = None
         self._weight_cast: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
@@ -142,18 +158,31 @@ class Fp8Gemm(nn.Module):
         return cast
 
     @torch.no_grad()
-    def record_amax(self, operand: int, x: torch.Tensor) -> None:
-        if x.numel():
-            slot = self.amax_history[0, operand]
-            slot.copy_(torch.maximum(slot, x.detach().abs().max().float()))
+    def record_amax(self, operand: int, x: torch.Tensor) -> torch.Tensor:
+        """Fold x's amax into the step's row; returns that amax (zero for an empty x)."""
+        amax = x.detach().abs().max().float() if x.numel() else self.amax_history.new_zeros(())
+        slot = self.amax_history[0, operand]
+        slot.copy_(torch.maximum(slot, amax))
+        return amax
+
+    @torch.no_grad()
+    def activation_scale(self, operand: int, x: torch.Tensor) -> torch.Tensor:
+        """The scale to cast activation x with: the delayed scale once set, else x's own (see above)."""
+        amax = self.record_amax(operand, x)
+        current = recipe_scale(amax, self.recipe.operand_max(operand), self.recipe.margin, self.scale[operand])
+        return torch.where(self.scale_is_set[operand], self.scale[operand], current)
+
+    def record_weight_amax(self, piece: torch.Tensor) -> None:
+        """Step 0: fold (a piece of) the weight's amax into the row the next update reads."""
+        self.record_amax(WEIGHT, piece)
 
     @torch.no_grad()
     def update_scale(self) -> None:
         """The recipe's step-end update, once row 0 holds the reduced amaxes of the step."""
         history = self.amax_history
         amax = history.max(dim=0).values if self.recipe.amax_compute_algo == "max" else history[0]
-        new_scale = self.recipe.fp8_max().to(amax.device) / amax / 2.0**self.recipe.margin
-        self.scale.copy_(torch.where((amax > 0) & torch.isfinite(amax), new_scale, self.scale))
+        self.scale.copy_(recipe_scale(amax, self.recipe.fp8_max().to(amax.device), self.recipe.margin, self.scale))
+        self.scale_is_set |= (history[0] > 0) & torch.isfinite(history[0])
         history.copy_(torch.roll(history, -1, dims=0))
         history[0].zero_()
 
@@ -202,7 +231,9 @@ def discard_step_amaxes(gemms: list[Fp8Gemm]) -> None:
 
 
 def initial_buffer(name: str, like: torch.Tensor) -> torch.Tensor:
-    """The value an fp8 scaling buffer starts from: an empty history, unit scales."""
+    """The value an fp8 scaling buffer starts from: an empty history, unit scales, none of them set."""
+    if name.endswith("scale_is_set"):
+        return torch.zeros(like.shape, dtype=torch.bool)
     if name.endswith("amax_history"):
         return torch.zeros(like.shape)
     if name.endswith("scale"):

@@ -32,6 +32,9 @@ class Fp8WeightConsumer(Protocol):
     @property
     def fp8_weight_dtype(self) -> torch.dtype: ...
 
+    def record_weight_amax(self, piece: torch.Tensor) -> None:
+        """Fold the amax of a piece of the weight into the amaxes the next scale update reads."""
+
     def cast_weight_shard(self, piece: torch.Tensor) -> torch.Tensor:
         """A piece of the weight (fp32) cast to fp8 with the step's scale; records its amax."""
 
@@ -52,6 +55,13 @@ def _overlap(offset: int, numel: int, lo: int, hi: int) -> tuple[int, int] | Non
     return (start, end) if start < end else None
 
 
+def shard_pieces(fp8_params: list[Fp8Param], rank: int, shard_size: int) -> list[tuple[int, int, Fp8WeightConsumer]]:
+    """(start, end, consumer) of each fp8 weight's piece in `rank`'s shard, relative to the shard."""
+    lo = rank * shard_size
+    return [(span[0] - lo, span[1] - lo, p.consumer)
+            for p in fp8_params if (span := _overlap(p.offset, p.numel, lo, lo + shard_size))]
+
+
 class Fp8Gather:
     def __init__(self, spec: FlatParamSpec, rank: int, group: ProcessGroup, compute_dtype: torch.dtype,
                  fp8_params: list[Fp8Param], label: str, device: torch.device):
@@ -59,10 +69,7 @@ class Fp8Gather:
         self.compute_dtype, self.fp8_params = compute_dtype, fp8_params
         size = spec.shard_size
         lo = rank * size
-        self._my_fp8 = [
-            (span[0] - lo, span[1] - lo, p.consumer)
-            for p in fp8_params if (span := _overlap(p.offset, p.numel, lo, lo + size))
-        ]
+        self._my_fp8 = shard_pieces(fp8_params, rank, size)
         fp8_offsets = {p.offset for p in fp8_params}
         other = [(o, n) for o, n in zip(spec.offsets(), spec.numels) if o not in fp8_offsets]
         per_rank = [[s for o, n in other if (s := _overlap(o, n, r * size, (r + 1) * size))] for r in range(spec.world)]

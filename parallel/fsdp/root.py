@@ -50,6 +50,11 @@ class FSDPRoot:
                     f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
                 )
 
+    def record_fp8_weight_amaxes(self) -> None:
+        """Each fp8 GEMM records the amax of its weight's piece of this rank's shards (no communication)."""
+        for unit in self.units:
+            unit.record_fp8_weight_amaxes()
+
     def reshard(self) -> None:
         """Free every unit's unsharded parameters (e.g. after forward-only passes)."""
         for unit in self.units:

@@ -24,7 +24,7 @@ from parallel import comm
 from parallel.fsdp.flat_param import (
     FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
 )
-from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of
+from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
 from parallel.fsdp.grad_sync import accumulate_unsharded
 from parallel.fsdp.state_dict import TPSplit, fill_shard
 
@@ -126,9 +126,10 @@ class FSDPUnit:
         free_storage(self._buffer)
         self._full = torch.empty(0, dtype=cfg.compute_dtype, device=device).requires_grad_()
         self._full.data = self._buffer  # shares storage, not the version counter: re-gathers stay legal
-        fp8_params = fp8_params_of(self.spec, owners) if cfg.fp8_all_gather else []
+        fp8_params = fp8_params_of(self.spec, owners)
+        self._fp8_weight_pieces = shard_pieces(fp8_params, self.rank, self.spec.shard_size)
         self._fp8 = Fp8Gather(self.spec, self.rank, shard_group, cfg.compute_dtype, fp8_params, name, device) \
-            if fp8_params else None
+            if fp8_params and cfg.fp8_all_gather else None
         self._microbatch_aware = [m for m in module.modules() if isinstance(m, MicrobatchAware)]
         self.state = UnitState.SHARDED
         self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
@@ -254,6 +255,11 @@ class FSDPUnit:
             piece = self.grad_accumulator[offsets[i] : offsets[i] + self.spec.numels[i]]
             views[i].main_grad = piece.view(self.spec.shapes[i])
             self._main_grad_views.append(views[i])
+
+    def record_fp8_weight_amaxes(self) -> None:
+        """Each fp8 GEMM whose weight lives here records the amax of its piece of this rank's shard."""
+        for start, end, consumer in self._fp8_weight_pieces:
+            consumer.record_weight_amax(self.flat_param.detach()[start:end])
 
     def views_have_autograd_edges(self) -> bool:
         """Whether the installed parameter views lead back to the flat parameter in autograd."""

@@ -23,6 +23,7 @@ def test_fp8_gemm_on_cuda_matches_the_cpu_path():
     for device in ("cpu", "cuda"):
         gemm = Fp8Gemm(Fp8Recipe()).to(device)
         gemm.scale.copy_(torch.tensor([3.0, 600.0, 2.0**14]))
+        gemm.scale_is_set.fill_(True)
         xd, wd = x.to(device).requires_grad_(), weight.to(device).requires_grad_()
         out = gemm(xd, wd)
         out.backward(grad.to(device))

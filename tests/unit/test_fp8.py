@@ -15,19 +15,29 @@ def qdq(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return (x * scale).clamp(-limit, limit).to(dtype).to(torch.float32) / scale
 
 
-@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-@pytest.mark.parametrize("wgrad", [True, False])
-def test_fp8_gemm_matches_quantize_dequantize_reference(fmt: str, wgrad: bool) -> None:
+def operands(grad_std: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 24, 48, generator=gen).requires_grad_()
     weight = (torch.randn(32, 48, generator=gen) * 0.05).requires_grad_()
-    grad_out = torch.randn(2, 24, 32, generator=gen) * 1e-3
+    return x, weight, torch.randn(2, 24, 32, generator=gen) * grad_std
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_fp8_gemm_matches_quantize_dequantize_reference(fmt: str, wgrad: bool) -> None:
+    x, weight, grad_out = operands(1e-3)
     gemm = Fp8Gemm(Fp8Recipe(format=fmt, wgrad=wgrad))
     scales = (3.0, 600.0, 2.0**14)  # input, weight, output gradient: none of them one
     gemm.scale.copy_(torch.tensor(scales))
+    gemm.scale_is_set.fill_(True)
+    check_against_reference(gemm, x, weight, grad_out, scales)
+
+
+def check_against_reference(gemm: Fp8Gemm, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                            scales: tuple[float, float, float]) -> None:
     out = gemm(x, weight)
     out.backward(grad_out)
-
+    fmt, wgrad = gemm.recipe.format, gemm.recipe.wgrad
     grad_dtype = E5M2 if fmt == "hybrid" else E4M3
     xq, wq = qdq(x.detach(), scales[0], E4M3), qdq(weight.detach(), scales[1], E4M3)
     gq = qdq(grad_out, scales[2], grad_dtype)
@@ -42,8 +52,29 @@ def test_fp8_gemm_matches_quantize_dequantize_reference(fmt: str, wgrad: bool) -
     assert gemm.amax_history[1:].count_nonzero() == 0
 
 
+def test_first_step_scales_activations_by_their_own_amax() -> None:
+    """Before any step set them, the input and output-gradient scales come from the tensors' own
+    amaxes: step 1's tiny gradients survive E5M2, where the initial scale of 1 flushes them to zero."""
+    x, weight, grad_out = operands(1e-7)
+    stale = Fp8Gemm(Fp8Recipe(wgrad=True))
+    stale.scale_is_set.fill_(True)  # what casting with the initial scales would do
+    stale(x, weight).backward(grad_out)
+    assert x.grad.count_nonzero() == 0 and weight.grad.count_nonzero() == 0
+    x.grad = weight.grad = None
+
+    gemm = Fp8Gemm(Fp8Recipe(wgrad=True))
+    scales = (448.0 / x.detach().abs().max().item(), 1.0, 57344.0 / grad_out.abs().max().item())
+    check_against_reference(gemm, x, weight, grad_out, scales)
+    assert weight.grad.count_nonzero() == weight.numel()
+    update_scaling([gemm], group=None)
+    weight_scale = 448.0 / weight.detach().abs().max().item()
+    assert gemm.scale_is_set.all()
+    assert torch.allclose(gemm.scale, torch.tensor([scales[0], weight_scale, scales[2]]).float())
+
+
 def test_fp8_cast_saturates_instead_of_overflowing() -> None:
     gemm = Fp8Gemm(Fp8Recipe())
+    gemm.scale_is_set.fill_(True)
     x = torch.full((16, 16), 1e6)
     out = gemm(x, torch.eye(16))
     assert torch.isfinite(out).all() and out.max().item() == 448.0
@@ -54,13 +85,14 @@ def test_delayed_scaling_recipe_step_by_step(algo: str) -> None:
     recipe = Fp8Recipe(format="hybrid", margin=1, amax_history_len=3, amax_compute_algo=algo)
     gemm = Fp8Gemm(recipe)
     steps = [  # amaxes a step records for (input, weight, grad output)
-        (4.0, 2.0, 0.5),
-        (1.0, 8.0, 0.0),  # no gradient amax this step: that scale must stay
+        (4.0, 2.0, 0.0),  # no gradient amax this step: that scale must stay, and stay unset
+        (1.0, 8.0, 0.5),
         (2.0, 1.0, 0.25),
         (0.5, 0.5, float("inf")),  # an overflowed gradient: its scale must stay
     ]
     history: list[tuple[float, float, float]] = []
     scale = [1.0, 1.0, 1.0]
+    seen = [False, False, False]
     fmax = (448.0, 448.0, 57344.0)
     for amaxes in steps:
         gemm.amax_history[0] = torch.tensor(amaxes)
@@ -71,6 +103,8 @@ def test_delayed_scaling_recipe_step_by_step(algo: str) -> None:
             if amax > 0 and amax != float("inf"):
                 scale[i] = fmax[i] / amax / 2.0
         assert gemm.scale.tolist() == torch.tensor(scale).tolist()
+        seen = [seen_i or 0 < a < float("inf") for seen_i, a in zip(seen, amaxes)]
+        assert gemm.scale_is_set.tolist() == seen
         # Rolled: row 0 waits at zero for the next step, older steps follow newest first from the end.
         expected_rows = [(0.0, 0.0, 0.0), *reversed(history[:2])] if len(history) == 3 else None
         assert gemm.amax_history[0].count_nonzero() == 0
