@@ -56,16 +56,34 @@ def train(cfg: TrainConfig, world: int) -> tuple[Trainer, list[StepMetrics]]:
     return trainer, [trainer.train_step(step) for step in range(1, cfg.steps + 1)]
 
 
-def write_reference_losses(rank: int, world: int, global_batches: list[int], path: str) -> None:
-    """One process, no parallelism: the losses of each global batch size, for the layouts to match."""
-    out = {g: [m.loss for m in train(config(batch_size=g), 1)[1]] for g in global_batches}
+Reference = dict[str, list[float]]  # "loss" and "grad_norm", per step
+
+
+def reference_of(metrics: list[StepMetrics]) -> Reference:
+    return {"loss": [m.loss for m in metrics], "grad_norm": [m.grad_norm for m in metrics]}
+
+
+def write_references(rank: int, world: int, global_batches: list[int], path: str, steps: int = STEPS) -> None:
+    """One process, no parallelism: losses and gradient norms of each global batch size, for the
+    layouts to match (the norm catches a gradient that is off by a constant factor, which Adam's
+    normalized update hides from the losses)."""
+    out = {g: reference_of(train(config(batch_size=g, steps=steps), 1)[1]) for g in global_batches}
     with open(path, "w") as f:
         json.dump(out, f)
 
 
-def read_reference_losses(path: str) -> dict[int, list[float]]:
+def read_references(path: str) -> dict[int, Reference]:
     with open(path) as f:
-        return {int(g): losses for g, losses in json.load(f).items()}
+        return {int(g): ref for g, ref in json.load(f).items()}
+
+
+def assert_matches(metrics: list[StepMetrics], reference: Reference, label: str, rel: float = 1e-5) -> None:
+    """Every step's loss and gradient norm within `rel` of the reference's."""
+    for key, want in reference.items():
+        got = reference_of(metrics)[key]
+        assert len(got) == len(want), (label, key, got, want)
+        for step, (a, b) in enumerate(zip(got, want), 1):
+            assert abs(a - b) <= rel * abs(b), f"{label} step {step} {key}: {a} vs {b}"
 
 
 def expected_p2p(cfg: TrainConfig, pp_rank: int) -> int:

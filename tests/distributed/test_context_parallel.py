@@ -2,9 +2,7 @@
 both exchange modes, causal GQA; outputs and dQ/dK/dV within 1e-5 (fp32); the ring's exact rotation
 counts and one-block buffers from the ledger; equal causal work on every CP rank. Then the trainer's
 step (fp32, 5 steps) with C = 2 and 4 in both modes, tp2 x cp2 with SP, pp2 x cp2 and HSDP x cp2
-against the one-process losses within 1e-5."""
-
-import json
+against the one-process losses and gradient norms within 1e-5."""
 
 import torch
 import torch.distributed as dist
@@ -12,7 +10,9 @@ import torch.distributed as dist
 from model.attention import causal_attention
 from parallel import comm
 from parallel.context_parallel import CPContext, context_parallel_attention
-from tests.distributed.pipeline_cases import config, train
+from tests.distributed.pipeline_cases import (
+    assert_matches, config, read_references, train, write_references,
+)
 from tests.distributed.spawn import run_ranks
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 32, 8
@@ -84,20 +84,13 @@ LAYOUTS = {  # name: overrides on 4 ranks; every layout trains the same 4-sequen
 }
 
 
-def _write_reference(rank: int, world: int, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([m.loss for m in train(config(batch_size=4, steps=STEPS), 1)[1]], f)
-
-
-def _check_layouts(rank: int, world: int, reference: list[float]) -> None:
+def _check_layouts(rank: int, world: int, reference: dict) -> None:
     for name, overrides in LAYOUTS.items():
         _, metrics = train(config(steps=STEPS, **overrides), world)
-        for step, (got, want) in enumerate(zip([m.loss for m in metrics], reference), 1):
-            assert abs(got - want) <= 1e-5 * abs(want), (name, step, got, want)
+        assert_matches(metrics, reference, name)
 
 
 def test_trainer_step_under_context_parallelism_matches_one_process(tmp_path):
-    path = tmp_path / "reference.json"
-    run_ranks(1, _write_reference, str(path))
-    reference = json.loads(path.read_text())
-    run_ranks(4, _check_layouts, reference)
+    path = str(tmp_path / "reference.json")
+    run_ranks(1, write_references, [4], path, STEPS)
+    run_ranks(4, _check_layouts, read_references(path)[4])
