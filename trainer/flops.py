@@ -6,7 +6,9 @@ from model.args import ModelArgs
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, most specific first.
 _PEAK_BF16 = (
+    ("H200 NVL", 835.5e12),
     ("H200", 989.5e12),
+    ("H100 NVL", 835.5e12),
     ("H100 PCIe", 756.0e12),
     ("H100", 989.5e12),
     ("A100", 312.0e12),

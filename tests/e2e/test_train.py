@@ -37,11 +37,12 @@ def test_loss_falls_on_every_layout(layout_runs):
         assert records[-1]["loss"] < records[0]["loss"] - 0.3, (name, [r["loss"] for r in records])
 
 
-def test_layouts_give_the_same_losses(layout_runs):
-    reference = losses(layout_runs["dp1"])
+def test_layouts_give_the_same_losses_and_gradient_norms(layout_runs):
+    reference = layout_runs["dp1"]
     for name, records in layout_runs.items():
-        for step, loss in losses(records).items():
-            assert math.isclose(loss, reference[step], rel_tol=1e-5), (name, step, loss, reference[step])
+        for record, want in zip(records, reference, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert math.isclose(record[key], want[key], rel_tol=1e-5), (name, record["step"], key, record[key], want[key])
 
 
 def test_metrics_contract(layout_runs):

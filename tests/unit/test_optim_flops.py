@@ -13,7 +13,7 @@ from model.transformer import Transformer
 from parallel import comm
 from trainer.loop import Trainer
 from trainer.config import OptimConfig
-from trainer.flops import training_flops_per_token
+from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import token_loss_sum
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
@@ -53,6 +53,18 @@ def test_flops_formula_matches_torch_flop_counter():
     with FlopCounterMode(display=False) as counter:
         token_loss_sum(model(tokens), tokens).backward()
     assert counter.get_total_flops() / tokens.numel() == pytest.approx(training_flops_per_token(args, 32), rel=1e-9)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA H100 NVL", 835.5e12), ("NVIDIA H100 PCIe", 756.0e12),
+    ("NVIDIA H200", 989.5e12), ("NVIDIA H200 NVL", 835.5e12), ("NVIDIA A100-SXM4-80GB", 312.0e12),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_flops_by_device_name(monkeypatch, name: str, peak: float | None):
+    """The most specific entry wins: an NVL or PCIe card is not counted at the SXM part's peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_flops(torch.device("cuda")) == peak
+    assert device_peak_flops(torch.device("cpu")) is None
 
 
 def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
