@@ -6,7 +6,7 @@ import pytest
 
 from parallel.errors import ConfigError
 from trainer.config import from_dict
-from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, run_fingerprint
+from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, data_fingerprint, run_fingerprint
 
 
 def _fingerprint(**model) -> dict:
@@ -43,3 +43,18 @@ def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):
     # Without saved scales (fp8 was off) the format is free to change, when allowed.
     check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint(use_fp8=True, fp8_format="e4m3"),
                     allowed=["model.use_fp8", "model.fp8_format"])
+
+
+def test_data_fingerprint_sees_a_change_anywhere_in_a_small_file(tmp_path):
+    """Up to 4 MiB the blocks cover the whole file; beyond, 64 evenly spread blocks (first and last)."""
+    tokens = tmp_path / "tokens.bin"
+    data = bytearray(range(256)) * (3 << 12)  # 3 MiB
+    tokens.write_bytes(data)
+    before = data_fingerprint(tokens, 100)
+    for offset in (0, len(data) // 3, len(data) // 2 + 12345, len(data) - 1):
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        tokens.write_bytes(changed)
+        assert data_fingerprint(tokens, 100) != before, offset
+    tokens.write_bytes(data)
+    assert data_fingerprint(tokens, 100) == before and data_fingerprint(tokens, 101) != before
