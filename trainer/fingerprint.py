@@ -45,6 +45,8 @@ _HINTS = {
                          "optim.decay_steps={old} to continue the same schedule",
     "tokenizer": "data.tokenizer (or the tokenizer trained for data.source) changed",
     "data": "data.source (or its packed tokens) changed",
+    "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "
+                         "that batch_size x dp_shard x dp_replicate stays {old}",
 }
 
 

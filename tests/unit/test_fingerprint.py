@@ -28,6 +28,15 @@ def test_kernel_switches_are_named_and_allowable(tmp_path):
     check_resumable(saved, _fingerprint(use_te_layers=True), allowed=["model.use_te_layers"])
 
 
+def test_a_changed_global_batch_says_how_to_keep_it(tmp_path):
+    saved = _saved(tmp_path, _fingerprint())
+    current = run_fingerprint(from_dict({"model": {"name": "tiny"}}), "float32", 4, "a" * 64, "d" * 16)
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, current, allowed=[])
+    assert "global_batch_size 8 -> 4 (batch_size is per data-parallel rank" in str(err.value)
+    assert "batch_size x dp_shard x dp_replicate stays 8" in str(err.value)
+
+
 def test_an_older_fingerprint_without_the_kernel_keys_means_the_defaults(tmp_path):
     saved = _saved(tmp_path, _fingerprint(), drop=("model.use_te_layers", "model.efficient_attn"))
     check_resumable(saved, _fingerprint(), allowed=[])
