@@ -6,6 +6,7 @@ are rejected when set away from their defaults, never silently ignored.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -206,8 +207,12 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if typ is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # nan passes every range check; inf overflows timeouts
+                raise ConfigError(f"{key}={value} must be a finite number")
             return float(value)
         if typ is str and isinstance(value, str):
+            if not value:  # e.g. an unset shell variable: never mean "unset" silently
+                raise ConfigError(f"{key} is an empty string (use null to leave it unset)")
             return value
     names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
     raise ConfigError(f"{key}={value!r} must be {names}")

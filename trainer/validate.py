@@ -6,6 +6,7 @@ is reported as such, not as "not supported yet").
 """
 
 import importlib.util
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from model.te import delayed_scaling
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
-from trainer.config import ENUMS, NOT_SUPPORTED_YET, TrainConfig, get_key
+from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder
 
@@ -33,8 +34,11 @@ _NON_NEGATIVE = (
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
                       "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
+SEED_MAX = 2**32 - 1
 # Signals a scheduler sends before a time limit or preemption (SIGINT and SIGTERM stay torchrun's).
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
+FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
+_DEFAULTS = TrainConfig()
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -80,6 +84,15 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"stop_signal={cfg.stop_signal} is not one of: {' | '.join(STOP_SIGNALS)} (or null)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
+    if cfg.seed > SEED_MAX:
+        raise ConfigError(f"seed={cfg.seed} must be <= {SEED_MAX} (2^32 - 1, what numpy's generator takes)")
+    if cfg.mem_snapshot_stop_step is not None and cfg.mem_snapshot_stop_step > cfg.steps:
+        raise ConfigError(f"mem_snapshot_stop_step={cfg.mem_snapshot_stop_step} must be <= steps={cfg.steps} "
+                          "(the snapshot is written at that step)")
+    decay, warmup = cfg.optim.decay_steps, cfg.optim.warmup_steps
+    if decay is not None and decay < warmup and cfg.steps > decay:  # a run that ends earlier never sees it
+        raise ConfigError(f"optim.decay_steps={decay} must be >= optim.warmup_steps={warmup} when steps={cfg.steps} "
+                          "runs past it: the LR would warm up past the end of its decay, then drop to the minimum")
 
 
 def _check_enums(cfg: TrainConfig) -> None:
@@ -133,8 +146,8 @@ def _check_fp8(cfg: TrainConfig) -> None:
         _check_te_combinations(cfg)
         _check_transformer_engine(cfg)
     if not m.use_fp8:
-        for key, default in (("model.fp8_wgrad", True), ("model.fp8_all_gather", False)):
-            if get_key(cfg, key) != default:
+        for key in FP8_KEYS:
+            if get_key(cfg, key) != get_key(_DEFAULTS, key):
                 raise ConfigError(f"{key}={get_key(cfg, key)} needs model.use_fp8=true (it changes fp8 GEMMs only)")
         return
     for what, size in fp8_gemm_sizes(cfg):

@@ -88,6 +88,15 @@ def test_llama3_8b_dimensions():
         (["model.fp8_wgrad=false"], 1, "model.fp8_wgrad=False needs model.use_fp8=true"),
         (["model.use_fp8=true", "model.fp8_format=e5m2"], 1, "model.fp8_format=e5m2 is not one of: hybrid | e4m3"),
         (["model.use_fp8=true", "model.fp8_amax_history_len=0"], 1, "model.fp8_amax_history_len=0 must be > 0"),
+        (["model.fp8_format=e4m3"], 1, "model.fp8_format=e4m3 needs model.use_fp8=true"),
+        (["model.fp8_margin=1"], 1, "model.fp8_margin=1 needs model.use_fp8=true"),
+        (["optim.clip_grad_norm=nan"], 1, "optim.clip_grad_norm=nan must be a finite number"),
+        (["comm_timeout_s=inf"], 1, "comm_timeout_s=inf must be a finite number"),
+        (["checkpoint.init_from_hf="], 1, "checkpoint.init_from_hf is an empty string (use null to leave it unset)"),
+        (["seed=4294967296"], 1, "seed=4294967296 must be <= 4294967295"),
+        (["steps=3", "mem_snapshot_stop_step=5"], 1, "mem_snapshot_stop_step=5 must be <= steps=3"),
+        (["steps=8", "optim.warmup_steps=10", "optim.decay_steps=5"], 1,
+         "optim.decay_steps=5 must be >= optim.warmup_steps=10 when steps=8 runs past it"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
