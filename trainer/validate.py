@@ -84,6 +84,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"stop_signal={cfg.stop_signal} is not one of: {' | '.join(STOP_SIGNALS)} (or null)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
+    if cfg.optimize_backward_concat and cfg.grad_reduce != "per_step":
+        raise ConfigError(f"optimize_backward_concat=true needs grad_reduce=per_step (with grad_reduce={cfg.grad_reduce} "
+                          "every microbatch concatenates its gradient to reduce it)")
     if cfg.seed > SEED_MAX:
         raise ConfigError(f"seed={cfg.seed} must be <= {SEED_MAX} (2^32 - 1, what numpy's generator takes)")
     if cfg.mem_snapshot_stop_step is not None and cfg.mem_snapshot_stop_step > cfg.steps:

@@ -93,6 +93,8 @@ def test_llama3_8b_dimensions():
         (["optim.clip_grad_norm=nan"], 1, "optim.clip_grad_norm=nan must be a finite number"),
         (["comm_timeout_s=inf"], 1, "comm_timeout_s=inf must be a finite number"),
         (["checkpoint.init_from_hf="], 1, "checkpoint.init_from_hf is an empty string (use null to leave it unset)"),
+        (["optimize_backward_concat=true", "grad_reduce=per_microbatch"], 1,
+         "optimize_backward_concat=true needs grad_reduce=per_step"),
         (["seed=4294967296"], 1, "seed=4294967296 must be <= 4294967295"),
         (["steps=3", "mem_snapshot_stop_step=5"], 1, "mem_snapshot_stop_step=5 must be <= steps=3"),
         (["steps=8", "optim.warmup_steps=10", "optim.decay_steps=5"], 1,
