@@ -47,6 +47,14 @@ def part_sizes(param: torch.Tensor) -> tuple[int, ...]:
     return getattr(param, "tp_parts", None) or (param.shape[0],)
 
 
+def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face tensor name: its shape} of the model `args` describes."""
+    with torch.device("meta"):
+        params = dict(Transformer(args).named_parameters())
+    return {hf: (size, *param.shape[1:]) for name, param in params.items()
+            for hf, size in zip(hf_names(name), part_sizes(param))}
+
+
 def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full weights -> Hugging Face tensors, splitting fused parameters into their parts."""
     with torch.device("meta"):

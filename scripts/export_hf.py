@@ -49,6 +49,9 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
         newest = latest_checkpoint(ckpt / "checkpoints")
         hint = f"; its newest complete checkpoint is {newest}" if newest else ""
         raise ConfigError(f"{ckpt} is not a checkpoint (a step_N folder under dump_dir/checkpoints){hint}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} is not an empty folder: files left from another model (shards, an index) would "
+                          "be read in place of the export; give a new or empty folder")
     problem = checkpoint_files_problem(ckpt, rank=0, world=1, checksums=True)
     if problem:
         raise ConfigError(problem)
@@ -80,7 +83,7 @@ def tokenizer_config() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a step_N folder under {dump_dir}/checkpoints")
-    parser.add_argument("out", type=Path, help="folder to write the Hugging Face model into")
+    parser.add_argument("out", type=Path, help="a new or empty folder to write the Hugging Face model into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     opts = parser.parse_args(argv)
     try:

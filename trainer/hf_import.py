@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from model.args import ModelArgs
-from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names
+from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names, hf_shapes
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
@@ -37,8 +37,26 @@ _UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False
 
 def check_hf_folder(folder: Path, args: ModelArgs) -> None:
     """Before any process group: the folder imports into the configured model, or one error line."""
-    check_architecture(read_hf_config(folder), args, folder)
-    tensor_files(folder)
+    config = read_hf_config(folder)
+    check_architecture(config, args, folder)
+    check_tensor_shapes(folder, args, tied=bool(config.get("tie_word_embeddings", False)))
+
+
+def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:
+    """Every tensor the model needs is in the folder with its shape (safetensors headers only): a
+    larger tensor would otherwise be cut to the configured size without a word."""
+    files = tensor_files(folder)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        with safe_open(path, framework="pt") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path}
+    for name, expected in hf_shapes(args).items():
+        stored = TIED_HEAD[1] if tied and name == TIED_HEAD[0] and name not in shapes else name
+        if stored not in shapes:
+            raise ConfigError(f"{KEY}={folder}: tensor {stored} is missing")
+        if shapes[stored] != expected:
+            raise ConfigError(f"{KEY}={folder}: tensor {stored} has shape {list(shapes[stored])}, the configured "
+                              f"model needs {list(expected)}")
 
 
 def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
@@ -63,18 +81,19 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
-    """{HF tensor name: the safetensors file that holds it}."""
-    if (folder / INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
-        return {name: folder / file for name, file in weight_map.items()}
+    """{HF tensor name: the safetensors file that holds it}. As transformers does, a single
+    model.safetensors wins over an index of shards."""
     single = folder / "model.safetensors"
-    if not single.is_file():
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if not (folder / INDEX).is_file():
         raise ConfigError(f"{KEY}={folder}: neither model.safetensors nor {INDEX} is there")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
+    return {name: folder / file for name, file in weight_map.items()}
 
 
 class _Reader:
@@ -117,12 +136,16 @@ def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
             _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
 
 
-def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> None:
-    """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh)."""
+def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> bool:
+    """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh). Returns
+    whether the folder's model ties its head to the embedding: ours starts the head as a copy of the
+    embedding and trains the two apart."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
-    reader = _Reader(folder, tied=bool(config.get("tie_word_embeddings", False)))
+    tied = bool(config.get("tie_word_embeddings", False))
+    reader = _Reader(folder, tied)
     with torch.no_grad():
         for root in roots:
             for unit in root.units:
                 _import_unit(reader, unit)
+    return tied

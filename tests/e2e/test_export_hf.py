@@ -83,7 +83,12 @@ def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: t
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the manifest's sha256 can tell
     shard.write_bytes(bytes(data))
-    for bad in (tmp_path / "missing", corrupt):
-        failed = _export(bad, tmp_path / "hf_bad")
+    # A missing or corrupt checkpoint, and an export over an existing model folder (whose stale shards
+    # a reader could take for the export's).
+    for bad, out, fragment in ((tmp_path / "missing", tmp_path / "hf_bad", "is not a checkpoint"),
+                               (corrupt, tmp_path / "hf_bad", "sha256"),
+                               (ckpt, tmp_path / "hf", "is not an empty folder")):
+        failed = _export(bad, out)
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr
+        assert fragment in lines[0], lines[0]

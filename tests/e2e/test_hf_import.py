@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from model.transformer import Transformer
 from parallel.errors import ConfigError
 from tests.e2e.launch import REPO, train_ok
 from trainer.config import TrainConfig, from_dict
-from trainer.hf_import import check_hf_folder
+from trainer.hf_import import check_hf_folder, tensor_files
 from trainer.state import load_full_weights
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +80,23 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     tiny_llama(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     cases = {"gqa4": "num_key_value_heads=4 vs model.n_kv_heads=2", "scaled": "only the default RoPE",
              "missing": "no readable config.json"}
+    tiny_llama(tmp_path / "oversized")  # a vocabulary larger than config.json says: never cut silently
+    tensors = load_file(tmp_path / "oversized" / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = torch.zeros(args.vocab_size + 64, args.dim)
+    save_file(tensors, tmp_path / "oversized" / "model.safetensors", metadata={"format": "pt"})
+    cases["oversized"] = (f"tensor model.embed_tokens.weight has shape [{args.vocab_size + 64}, {args.dim}], "
+                          f"the configured model needs [{args.vocab_size}, {args.dim}]")
     for name, fragment in cases.items():
-        with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")) as e:
+        with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")) as e:
             check_hf_folder(tmp_path / name, args)
         assert "checkpoint.init_from_hf=" in str(e.value) and "\n" not in str(e.value)
+    tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding stands in
+    check_hf_folder(tmp_path / "tied", args)
+
+
+def test_a_single_file_wins_over_stale_shards_as_in_transformers(tmp_path):
+    folder = tmp_path / "hf"
+    tiny_llama(folder, shard_size="100KB")
+    tiny_llama(tmp_path / "single")
+    (tmp_path / "single" / "model.safetensors").rename(folder / "model.safetensors")
+    assert set(tensor_files(folder).values()) == {folder / "model.safetensors"}
