@@ -23,6 +23,9 @@ def test_numerics_matrix_cpu(tmp_path):
         assert result.startswith("bitwise equal over 3 steps; TFLOP/s"), (name, result)
 
 
-def test_numerics_matrix_refuses_an_unknown_row():
+def test_numerics_matrix_refuses_an_unknown_row_or_a_selection_of_none():
     proc = _matrix("--rows", "a,q")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --rows: no row 'q' (rows: a b c d e)", proc.stderr
+    for rows in ("", "a b", "a,"):  # would select nothing, and an empty matrix would pass
+        proc = _matrix("--rows", rows)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: --rows takes row letters"), (rows, proc.stderr)

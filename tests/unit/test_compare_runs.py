@@ -56,3 +56,39 @@ def test_plot_metrics_draws_several_runs(tmp_path):
     out = tmp_path / "curves.png"
     assert plot_metrics.main([*map(str, dumps), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
+
+
+def _write(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_non_finite_missing_and_eval_values_are_compared_not_skipped(tmp_path, capsys):
+    """A step whose loss or norm went non-finite (logged as null) in one run only, or an eval loss that
+    differs or is logged by one run only, is a difference; the same non-finite value in both is not."""
+    base = {"step": 1, "loss": 6.4, "grad_norm": 0.6, "eval_loss": 6.5}
+    a = _write(tmp_path / "a", [base])
+    variants = {
+        "null_norm": base | {"grad_norm": None},
+        "nan_loss": base | {"loss": float("nan"), "grad_norm": float("inf")},
+        "no_norm": {k: v for k, v in base.items() if k != "grad_norm"},
+        "other_eval": base | {"eval_loss": 5.0},
+        "no_eval": {k: v for k, v in base.items() if k != "eval_loss"},
+    }
+    for name, record in variants.items():
+        assert compare_runs.main([str(a), str(_write(tmp_path / name, [record])), "--plot",
+                                  str(tmp_path / f"{name}.png")]) == 1, name
+        verdict = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "bitwise equal" not in verdict, (name, verdict)
+    both_null = base | {"grad_norm": None}
+    assert compare_runs.main([str(tmp_path / "null_norm"), str(_write(tmp_path / "null2", [both_null]))]) == 0
+
+
+def test_unreadable_or_duplicated_metrics_exit_2_with_one_line(tmp_path, capsys):
+    a = _dump(tmp_path / "a", [6.9, 6.1])
+    twice = _write(tmp_path / "twice", [{"step": 1, "loss": 6.9}, {"step": 1, "loss": 6.8}])
+    for other, fragment in ((tmp_path / "missing", "is not a readable metrics file"), (twice, "logs some step twice")):
+        assert compare_runs.main([str(a), str(other)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
