@@ -65,10 +65,13 @@ class Fp8Recipe:
         return FP8_MAX[self.backward_dtype if operand == GRAD_OUTPUT else self.forward_dtype]
 
 
+def amax_is_valid(amax: torch.Tensor) -> torch.Tensor:
+    return (amax > 0) & torch.isfinite(amax)
+
+
 def recipe_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, fallback: torch.Tensor) -> torch.Tensor:
     """fp8_max / amax / 2^margin; `fallback` where the amax is zero or non-finite."""
-    valid = (amax > 0) & torch.isfinite(amax)
-    return torch.where(valid, fp8_max / amax / 2.0**margin, fallback)
+    return torch.where(amax_is_valid(amax), fp8_max / amax / 2.0**margin, fallback)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,6 +143,9 @@ class Fp8Gemm(nn.Module):
         self.register_buffer("scale", torch.ones(3))
         self.register_buffer("scale_is_set", torch.zeros(3, dtype=torch.bool))
         self.is_first_microbatch: bool | None = None
+        # A host copy of "input and gradient scales both set" (note_set_scales): then the current-amax
+        # scale is not computed at all. True only once known, so a gemm nobody told stays correct.
+        self.activation_scales_set = False
         self._weight_cast: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
 
@@ -169,6 +175,8 @@ class Fp8Gemm(nn.Module):
     def activation_scale(self, operand: int, x: torch.Tensor) -> torch.Tensor:
         """The scale to cast activation x with: the delayed scale once set, else x's own (see above)."""
         amax = self.record_amax(operand, x)
+        if self.activation_scales_set:
+            return self.scale[operand].clone()
         current = recipe_scale(amax, self.recipe.operand_max(operand), self.recipe.margin, self.scale[operand])
         return torch.where(self.scale_is_set[operand], self.scale[operand], current)
 
@@ -182,7 +190,8 @@ class Fp8Gemm(nn.Module):
         history = self.amax_history
         amax = history.max(dim=0).values if self.recipe.amax_compute_algo == "max" else history[0]
         self.scale.copy_(recipe_scale(amax, self.recipe.fp8_max().to(amax.device), self.recipe.margin, self.scale))
-        self.scale_is_set |= (history[0] > 0) & torch.isfinite(history[0])
+        # Set only by an amax the recipe used: an inf kept in a "max" history keeps the scale where it was.
+        self.scale_is_set |= amax_is_valid(amax)
         history.copy_(torch.roll(history, -1, dims=0))
         history[0].zero_()
 
@@ -221,6 +230,16 @@ def update_scaling(gemms: list[Fp8Gemm], group: ProcessGroup | None) -> None:
     for gemm, reduced in zip(gemms, amax):
         gemm.amax_history[0].copy_(reduced)
         gemm.update_scale()
+    note_set_scales(gemms)
+
+
+def note_set_scales(gemms: list[Fp8Gemm]) -> None:
+    """Tell each gemm, on the host, whether its input and gradient scales are set (one device sync for
+    all of them, at step end or after a load): from then on no GEMM computes a current-amax scale."""
+    if gemms:
+        flags = torch.stack([g.scale_is_set for g in gemms]).tolist()
+        for gemm, (is_set_input, _, is_set_grad) in zip(gemms, flags):
+            gemm.activation_scales_set = is_set_input and is_set_grad
 
 
 @torch.no_grad()

@@ -36,6 +36,8 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
 # defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KERNELS, "model.fp8_amax_history_len")} | {
     "data.held_out_fraction": 0.0}
+# Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
+_ABSENT_MEANS_UNKNOWN = ("data_sample",)
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS)
 _FORMAT_HINT = ("the checkpoint's fp8 scales were computed for the old format's range and would quantize the "
@@ -45,6 +47,7 @@ _HINTS = {
                          "optim.decay_steps={old} to continue the same schedule",
     "tokenizer": "data.tokenizer (or the tokenizer trained for data.source) changed",
     "data": "data.source (or its packed tokens) changed",
+    "data_sample": "data.source (or its packed tokens) changed",
     "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "
                          "that batch_size x dp_shard x dp_replicate stays {old}",
 }
@@ -53,27 +56,35 @@ _HINTS = {
 DATA_BLOCKS, DATA_BLOCK_BYTES = 64, 64 << 10
 
 
-def data_fingerprint(tokens_file: Path, num_tokens: int) -> str:
-    """Token count plus a hash of 64 blocks of 64 KiB spread evenly over the packed tokens, the first
-    and the last included: content-based, and at most 4 MiB read whatever the corpus' size (a whole-file
-    hash would read terabytes at every start). Files up to 4 MiB are hashed whole."""
-    digest = hashlib.sha256(str(num_tokens).encode())
+def data_fingerprint(tokens_file: Path, num_tokens: int) -> dict[str, str]:
+    """Content hashes of the packed tokens, with their count, that read at most 6 MiB whatever the
+    corpus' size (a whole-file hash would read terabytes at every start):
+      data         the first and the last MiB
+      data_sample  64 blocks of 64 KiB spread evenly over the file (a file up to 4 MiB whole), which
+                   sees a same-length edit in the middle; checkpoints older than it lack the key."""
     size = tokens_file.stat().st_size
     last_start = max(0, size - DATA_BLOCK_BYTES)
-    starts = sorted({last_start * i // (DATA_BLOCKS - 1) for i in range(DATA_BLOCKS)})
-    with open(tokens_file, "rb") as f:
-        for start in starts:
+    spread = sorted({last_start * i // (DATA_BLOCKS - 1) for i in range(DATA_BLOCKS)})
+    ends = [(0, 1 << 20), (max(0, size - (1 << 20)), 1 << 20)]
+    return {"data": _hash_blocks(tokens_file, num_tokens, ends),
+            "data_sample": _hash_blocks(tokens_file, num_tokens, [(s, DATA_BLOCK_BYTES) for s in spread])}
+
+
+def _hash_blocks(path: Path, num_tokens: int, blocks: list[tuple[int, int]]) -> str:
+    digest = hashlib.sha256(str(num_tokens).encode())
+    with open(path, "rb") as f:
+        for start, length in blocks:
             f.seek(start)
-            digest.update(f.read(DATA_BLOCK_BYTES))
+            digest.update(f.read(length))
     return digest.hexdigest()[:16]
 
 
 def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,
-                    data: str) -> dict[str, Any]:
+                    data: dict[str, str]) -> dict[str, Any]:
     return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | {
         "compute_dtype": compute_dtype,
         "optim.decay_steps": cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps,
-        "global_batch_size": global_batch, "tokenizer": tokenizer_sha256[:16], "data": data,
+        "global_batch_size": global_batch, "tokenizer": tokenizer_sha256[:16], **data,
     }
 
 
@@ -90,6 +101,7 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}); "
                           "it was not written by this trainer, or is damaged")
+    current = {key: value for key, value in current.items() if key in saved or key not in _ABSENT_MEANS_UNKNOWN}
     saved = _ABSENT_MEANS_DEFAULT | saved
     # The fp8 format may change only where no saved scales carry over (fp8 off before or now).
     refused = {"model.fp8_format"} if saved.get("model.use_fp8") and current.get("model.use_fp8") else set()

@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, update_scaling
+from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, note_set_scales, update_scaling
 from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
@@ -48,23 +48,25 @@ class Trainer:
     flops_per_token: float
     peak_flops: float | None
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
-    _fp8_weight_scales_checked: bool = field(default=False, init=False)
+    _fp8_scaling_started: bool = field(default=False, init=False)
 
     @cached_property
     def fp8_gemms(self) -> list[Fp8Gemm]:
         """This rank's fp8 GEMMs, in model order (found once: the model does not change)."""
         return fp8_gemms(self.chunks)
 
-    def set_initial_fp8_weight_scales(self) -> None:
-        """Fresh fp8 scaling (no weight scale set yet: not resumed) starts with a "step 0" that records
-        only the weights' amaxes and updates the scales from them, so step 1 casts the weights with a
-        recipe scale instead of 1 (model/fp8.py). Called before the first pass, outside any step's
-        ledger: it is set-up, once per process. Weight scales are identical over the amax group, so
-        every rank of it takes the same branch."""
-        if self._fp8_weight_scales_checked:
+    def start_fp8_scaling(self) -> None:
+        """Before the first pass of the process (after any checkpoint load), once, outside any step's
+        ledger. Fresh fp8 scaling (no weight scale set yet: not resumed) starts with a "step 0" that
+        records only the weights' amaxes and updates the scales from them, so step 1 casts the weights
+        with a recipe scale instead of 1 (model/fp8.py); weight scales are identical over the amax
+        group, so every rank of it takes the same branch. A resumed run's gemms learn which of their
+        loaded scales are set."""
+        if self._fp8_scaling_started or not self.fp8_gemms:
             return
-        self._fp8_weight_scales_checked = True
-        if not self.fp8_gemms or any(bool(g.scale_is_set[WEIGHT]) for g in self.fp8_gemms):
+        self._fp8_scaling_started = True
+        if any(bool(g.scale_is_set[WEIGHT]) for g in self.fp8_gemms):
+            note_set_scales(self.fp8_gemms)
             return
         for root in self.roots:
             root.record_fp8_weight_amaxes()
@@ -76,7 +78,7 @@ class Trainer:
 
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step `step` (1-based) and return its metrics."""
-        self.set_initial_fp8_weight_scales()
+        self.start_fp8_scaling()
         start = time.perf_counter()
         comm.LEDGER.reset(step)
         comm.set_phase("forward and backward")
@@ -111,7 +113,7 @@ class Trainer:
         """Mean token loss over eval.steps held-out global batches: the pipeline's forwards only, the
         same tokens for every layout. Leaves no trace in training: units end resharded and the fp8
         amaxes the forwards recorded are dropped (they belong to no step)."""
-        self.set_initial_fp8_weight_scales()
+        self.start_fp8_scaling()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tp = self.chunks[-1].tp
         first_or_last = self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)

@@ -73,16 +73,28 @@ def load_into(
         del state["rng"]  # another layout: this rank's streams were not saved, start them fresh
     if "fp8" in state and not any(k.startswith("fp8.") for k in saved_keys):
         del state["fp8"]  # fp8 switched on at this resume (resume.allow_changed): scaling starts fresh
+    flags_to_set = _scale_flags_older_checkpoints_lack(state, saved_keys)
     missing = [name for name in state.get("fp8", {}) if f"fp8.{name}" not in saved_keys]
     if missing:
         raise CheckpointError(f"checkpoint {path} has fp8 scaling state, but not this model's ({missing[0]}): it was "
                               "saved with the other fp8 implementation (model.use_te_layers); resume with the "
                               "model.use_te_layers of the run that saved it")
     load_checkpoint(path, state, group)
+    for flag in flags_to_set:
+        flag.fill_(True)
     sampler.check_resumable({k: int(v) for k, v in state["trainer"].items()})
     if "rng" in state:
         rng.load_state(state["rng"][key])
     return int(state["trainer"]["step"])
+
+
+def _scale_flags_older_checkpoints_lack(state: dict, saved_keys: set[str]) -> list[torch.Tensor]:
+    """In-tree fp8 state saved before `scale_is_set` existed: every saved scale was in use, so the
+    flags are taken out of the load and set afterwards (the run continues as it would have)."""
+    fp8 = state.get("fp8", {})
+    absent = [name for name in fp8 if name.endswith(".scale_is_set") and f"fp8.{name}" not in saved_keys
+              and f"fp8.{name.removesuffix('_is_set')}" in saved_keys]
+    return [fp8.pop(name) for name in absent]
 
 
 def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:

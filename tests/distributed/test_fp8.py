@@ -28,7 +28,7 @@ def _losses(metrics) -> list[float]:
 
 def _scaling_state(trainer) -> torch.Tensor:
     gemms = fp8_gemms(trainer.chunks)
-    return torch.cat([torch.cat([g.scale, g.amax_history.flatten()]) for g in gemms])
+    return torch.cat([torch.cat([g.scale, g.amax_history.flatten(), g.scale_is_set.float()]) for g in gemms])
 
 
 def _check_fp8(rank: int, world: int) -> None:
@@ -67,6 +67,8 @@ def _check_first_step(world: int) -> None:
     for gemm in fp8_gemms(trainer.chunks):
         step0, step1 = gemm.amax_history[-2], gemm.amax_history[-1]
         assert step0[WEIGHT] > 0 and step0[INPUT] == 0 and (step1 > 0).all(), gemm.amax_history[-2:]
+        # Step 0 saw every piece of the weight: the same amax as step 1's cast of the whole weight.
+        assert step0[WEIGHT] == step1[WEIGHT] and gemm.scale_is_set.all() and gemm.activation_scales_set
     state = trainer.optimizer.state()
     zeros = total = 0
     for unit in (u for root in trainer.roots for u in root.units if u.name.startswith("layers.")):

@@ -2,6 +2,7 @@
 
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from trainer.checkpoint import (
     verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
+from trainer.state import load_into
 
 
 def state(seed: int) -> dict:
@@ -59,16 +61,27 @@ def test_metadata_with_arbitrary_code_is_refused(tmp_path, world):
         load_checkpoint(path, target, world)
 
 
+def run_state(fp8: dict) -> dict:
+    return {"fp8": fp8, "trainer": {"step": torch.tensor(3)}, "rng": {"rank0": {"shared": torch.zeros(2)}}}
+
+
 def test_fp8_state_of_the_other_implementation_is_one_clear_error(tmp_path, world):
     """A checkpoint with in-tree fp8 state resumed by TE blocks (model.use_te_layers switched, allowed):
     refused naming the switch, not DCP's missing-key dump and not a silent fresh start."""
-    from trainer.state import load_into
-
-    def run_state(fp8: dict) -> dict:
-        return {"fp8": fp8, "trainer": {"step": torch.tensor(3)}, "rng": {"rank0": {"shared": torch.zeros(2)}}}
-
     path = save_checkpoint(tmp_path, 3, run_state({"layers.0.attention.wqkv.fp8.scale": torch.ones(3)}), world,
                            rank=0, extra_files={})
     te_state = run_state({"layers.0.attention.wqkv.scaling_fwd.scale": torch.ones(3)})
     with pytest.raises(CheckpointError, match="saved with the other fp8 implementation .model.use_te_layers."):
         load_into(path, te_state, rng=None, sampler=None, group=world)
+
+
+def test_fp8_state_saved_before_scale_flags_existed_loads_with_every_scale_set(tmp_path, world):
+    """Such a checkpoint's scales were all in use: the resume keeps using them (no current-amax scaling)."""
+    gemm = "layers.0.attention.wqkv.gemm"
+    path = save_checkpoint(tmp_path, 3, run_state({f"{gemm}.scale": torch.full((3,), 2.0)}), world, rank=0,
+                           extra_files={})
+    flags, scale = torch.zeros(3, dtype=torch.bool), torch.ones(3)
+    current = run_state({f"{gemm}.scale": scale, f"{gemm}.scale_is_set": flags})
+    ignore = SimpleNamespace(load_state=lambda state: None, check_resumable=lambda state: None)
+    assert load_into(path, current, rng=ignore, sampler=ignore, group=world) == 3
+    assert flags.all() and torch.equal(scale, torch.full((3,), 2.0))

@@ -9,9 +9,12 @@ from trainer.config import from_dict
 from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, data_fingerprint, run_fingerprint
 
 
+DATA = {"data": "d" * 16, "data_sample": "s" * 16}
+
+
 def _fingerprint(**model) -> dict:
     cfg = from_dict({"model": {"name": "tiny", **model}})
-    return run_fingerprint(cfg, "float32", 8, "a" * 64, "d" * 16)
+    return run_fingerprint(cfg, "float32", 8, "a" * 64, DATA)
 
 
 def _saved(tmp_path, fingerprint: dict, drop: tuple[str, ...] = ()):
@@ -30,7 +33,7 @@ def test_kernel_switches_are_named_and_allowable(tmp_path):
 
 def test_a_changed_global_batch_says_how_to_keep_it(tmp_path):
     saved = _saved(tmp_path, _fingerprint())
-    current = run_fingerprint(from_dict({"model": {"name": "tiny"}}), "float32", 4, "a" * 64, "d" * 16)
+    current = run_fingerprint(from_dict({"model": {"name": "tiny"}}), "float32", 4, "a" * 64, DATA)
     with pytest.raises(ConfigError) as err:
         check_resumable(saved, current, allowed=[])
     assert "global_batch_size 8 -> 4 (batch_size is per data-parallel rank" in str(err.value)
@@ -59,11 +62,21 @@ def test_data_fingerprint_sees_a_change_anywhere_in_a_small_file(tmp_path):
     tokens = tmp_path / "tokens.bin"
     data = bytearray(range(256)) * (3 << 12)  # 3 MiB
     tokens.write_bytes(data)
-    before = data_fingerprint(tokens, 100)
+    before = data_fingerprint(tokens, 100)["data_sample"]
     for offset in (0, len(data) // 3, len(data) // 2 + 12345, len(data) - 1):
         changed = bytearray(data)
         changed[offset] ^= 1
         tokens.write_bytes(changed)
-        assert data_fingerprint(tokens, 100) != before, offset
+        assert data_fingerprint(tokens, 100)["data_sample"] != before, offset
     tokens.write_bytes(data)
-    assert data_fingerprint(tokens, 100) == before and data_fingerprint(tokens, 101) != before
+    assert data_fingerprint(tokens, 100)["data_sample"] == before
+    assert data_fingerprint(tokens, 101)["data_sample"] != before
+
+
+def test_a_checkpoint_older_than_the_data_sample_is_checked_by_the_rest(tmp_path):
+    saved = _saved(tmp_path, _fingerprint(), drop=("data_sample",))
+    check_resumable(saved, _fingerprint(), allowed=[])
+    with pytest.raises(ConfigError, match="data 'dddddddddddddddd' -> 'eeeeeeeeeeeeeeee'"):
+        check_resumable(saved, _fingerprint() | {"data": "e" * 16}, allowed=[])
+    with pytest.raises(ConfigError, match="data_sample 'ssssssssssssssss' -> 'tttttttttttttttt'"):
+        check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint() | {"data_sample": "t" * 16}, allowed=[])

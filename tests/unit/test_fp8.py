@@ -4,7 +4,7 @@ recipe step by step against hand-computed values."""
 import pytest
 import torch
 
-from model.fp8 import FP8_MAX, Fp8Gemm, Fp8Recipe, scaled_mm, update_scaling
+from model.fp8 import FP8_MAX, GRAD_OUTPUT, Fp8Gemm, Fp8Recipe, scaled_mm, update_scaling
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -68,8 +68,22 @@ def test_first_step_scales_activations_by_their_own_amax() -> None:
     assert weight.grad.count_nonzero() == weight.numel()
     update_scaling([gemm], group=None)
     weight_scale = 448.0 / weight.detach().abs().max().item()
-    assert gemm.scale_is_set.all()
+    assert gemm.scale_is_set.all() and gemm.activation_scales_set  # the host knows: no more current scales
     assert torch.allclose(gemm.scale, torch.tensor([scales[0], weight_scale, scales[2]]).float())
+
+
+def test_a_scale_is_set_only_by_an_amax_the_recipe_used() -> None:
+    """An inf amax kept in a "max" history keeps the gradient scale at 1 for the history's length: the
+    scale must not count as set then, or step 2's small gradients would flush to zero after all."""
+    gemm = Fp8Gemm(Fp8Recipe(amax_history_len=4))
+    for row in ([1.0, 0.05, float("inf")], [1.0, 0.05, 1e-5]):
+        gemm.amax_history[0] = torch.tensor(row)
+        update_scaling([gemm], group=None)
+    assert gemm.scale[GRAD_OUTPUT] == 1.0 and gemm.scale_is_set.tolist() == [True, True, False]
+    assert not gemm.activation_scales_set
+    x, weight, grad_out = operands(1e-6)
+    gemm(x, weight).backward(grad_out)
+    assert x.grad.count_nonzero() == x.numel()
 
 
 def test_fp8_cast_saturates_instead_of_overflowing() -> None:
