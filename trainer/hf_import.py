@@ -71,6 +71,10 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"{KEY}={folder}: config.json has rope_type={rope['rope_type']!r}; this model supports "
                           "only the default RoPE")
+    if None not in (rope.get("rope_theta"), config.get("rope_theta")) and rope["rope_theta"] != config["rope_theta"]:
+        raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={config['rope_theta']!r} and "
+                          f"rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 4 reads the first, 5 the "
+                          "second): make them agree")
     config = {"head_dim": config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1),
               "rope_theta": rope.get("rope_theta")} | {k: v for k, v in config.items() if v is not None}
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"

@@ -80,6 +80,11 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     tiny_llama(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     cases = {"gqa4": "num_key_value_heads=4 vs model.n_kv_heads=2", "scaled": "only the default RoPE",
              "missing": "no readable config.json"}
+    tiny_llama(tmp_path / "two_thetas")
+    config = json.loads((tmp_path / "two_thetas" / "config.json").read_text())
+    config |= {"rope_theta": args.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    (tmp_path / "two_thetas" / "config.json").write_text(json.dumps(config))
+    cases["two_thetas"] = "rope_theta=10000.0 and rope_parameters.rope_theta=500000.0"
     tiny_llama(tmp_path / "oversized")  # a vocabulary larger than config.json says: never cut silently
     tensors = load_file(tmp_path / "oversized" / "model.safetensors")
     tensors["model.embed_tokens.weight"] = torch.zeros(args.vocab_size + 64, args.dim)
