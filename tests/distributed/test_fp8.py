@@ -1,4 +1,5 @@
-"""fp8 through the trainer's step on 8 gloo ranks (tp2 x dp4, gpipe, two microbatches per step):
+"""fp8 through the trainer's step on 8 gloo ranks (tp2 x dp4, gpipe, two microbatches per step), after
+the same layout in bf16 with four microbatches (bitwise with optimize_backward_concat on and off):
 identical scales on every rank, ONE amax all-reduce per step, bitwise determinism and bitwise parity
 with optimize_backward_concat on and off, and the fp8 all-gather: bitwise the same training in fp32
 compute and under activation checkpointing, with a quarter of the fp32 (half of the bf16) weight bytes
@@ -31,7 +32,17 @@ def _scaling_state(trainer) -> torch.Tensor:
     return torch.cat([torch.cat([g.scale, g.amax_history.flatten(), g.scale_is_set.float()]) for g in gemms])
 
 
+def _check_bf16_microbatches(world: int) -> None:
+    """numerics_matrix.sh's row b in-process: tp2 x dp4 in bf16, four microbatches of one sequence,
+    bitwise the same with optimize_backward_concat off and on."""
+    runs = [_losses(train(config(model=FP8_MODEL | {"use_fp8": False}, **LAYOUT | {
+        "compute_dtype": "bf16", "microbatch_size": 1, "optimize_backward_concat": concat, "steps": 2}), world)[1])
+        for concat in (False, True)]
+    assert runs[0] == runs[1], runs
+
+
 def _check_fp8(rank: int, world: int) -> None:
+    _check_bf16_microbatches(world)
     _, bf = train(config(model=FP8_MODEL | {"use_fp8": False}, **LAYOUT), world)
     trainer, base = train(fp8_config(reshard_after_forward=False), world)
     _, concat = train(fp8_config(reshard_after_forward=False, optimize_backward_concat=True), world)

@@ -1,8 +1,8 @@
-"""scripts/numerics_matrix.sh at CPU size, rows a (tp2 pp2 dp2 in fp8, with model.fp8_wgrad=true and
-reshard_after_forward=false) and b (tp2 dp4, microbatches): each bitwise equal with
-optimize_backward_concat off and on. Rows c-e (bf16 gpipe, 1f1b, interleaved on tp2 pp2 dp2 with SP) are
-the layouts tests/distributed/test_pipeline.py::test_tp_pp_dp_composition checks for the same bitwise
-equality in-process; running them here too would cost six more 8-rank launches (~2.5 minutes of CI)."""
+"""scripts/numerics_matrix.sh at CPU size, row a (tp2 pp2 dp2 in fp8, with model.fp8_wgrad=true and
+reshard_after_forward=false): bitwise equal with optimize_backward_concat off and on. The other rows'
+layouts are checked for the same bitwise equality in-process, each 8-rank launch pair here costing
+about a minute of CI: b (tp2 dp4 bf16, microbatches) by tests/distributed/test_fp8.py, c-e (bf16
+gpipe, 1f1b, interleaved on tp2 pp2 dp2 with SP) by test_pipeline.py::test_tp_pp_dp_composition."""
 
 import subprocess
 
@@ -15,10 +15,10 @@ def _matrix(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_numerics_matrix_cpu(tmp_path):
-    proc = _matrix("--out", str(tmp_path), "--rows", "a,b")
+    proc = _matrix("--out", str(tmp_path), "--rows", "a")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()[2:]}
-    assert set(rows) == {"a tp2 pp2 dp2 fp8 gpipe", "b tp2 dp4 bf16 microbatches"}, rows
+    assert set(rows) == {"a tp2 pp2 dp2 fp8 gpipe"}, rows
     for name, result in rows.items():
         assert result.startswith("bitwise equal over 3 steps; TFLOP/s"), (name, result)
 
