@@ -47,18 +47,21 @@ def part_sizes(param: torch.Tensor) -> tuple[int, ...]:
     return getattr(param, "tp_parts", None) or (param.shape[0],)
 
 
+def _meta_params(args: ModelArgs) -> dict[str, torch.nn.Parameter]:
+    """The full (unsharded) parameters of the model `args` describes, without memory."""
+    with torch.device("meta"):
+        return dict(Transformer(args).named_parameters())
+
+
 def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """{Hugging Face tensor name: its shape} of the model `args` describes."""
-    with torch.device("meta"):
-        params = dict(Transformer(args).named_parameters())
-    return {hf: (size, *param.shape[1:]) for name, param in params.items()
+    return {hf: (size, *param.shape[1:]) for name, param in _meta_params(args).items()
             for hf, size in zip(hf_names(name), part_sizes(param))}
 
 
 def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full weights -> Hugging Face tensors, splitting fused parameters into their parts."""
-    with torch.device("meta"):
-        params = dict(Transformer(args).named_parameters())
+    params = _meta_params(args)
     out = {}
     for name, tensor in weights.items():
         out.update(zip(hf_names(name), tensor.split(part_sizes(params[name]), dim=0)))
