@@ -4,25 +4,34 @@
 
 Submits one task per node running the same torchrun command as scripts/slurm/train.sbatch, prints the
 job id and the dump folder, and (with --wait) waits for the job. --local runs that command on this
-machine without a scheduler (one node, --nproc-per-node ranks). On Slurm's warning signal the trainer
-checkpoints and exits (stop_signal=USR1); the job is then requeued and resumes.
+machine without a scheduler (one node, --nproc-per-node ranks). On submitit's warning signal (SIGUSR2,
+120 s before the time limit or on preemption) the trainer checkpoints and exits (stop_signal=USR2);
+submitit then requeues the job, which resumes.
 """
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.launch_command import dump_dir_of, torchrun_args  # noqa: E402
+from scripts.launch_command import dump_dir_of, positive_int, rendezvous_port, torchrun_args  # noqa: E402
 
 
 class TrainOnNode:
-    """What each node's task runs: torchrun for this node, rendezvous on the job's first node. As a
-    submitit checkpointable, a warning signal lets the trainer finish its checkpoint, then requeues."""
+    """What each node's task runs: torchrun for this node, rendezvous on the job's first node.
+
+    As a submitit checkpointable: Slurm sends submitit's warning signal to every process of the job;
+    the workers (stop_signal set to it) save a checkpoint and exit, torchrun's agent ignores it, and
+    submitit's handler on the first task calls `checkpoint`, which waits for torchrun to exit before
+    submitit requeues the job (a requeue kills what still runs)."""
 
     def __init__(self, overrides: list[str], nproc_per_node: int, python: str):
         self.overrides, self.nproc_per_node, self.python = overrides, nproc_per_node, python
@@ -32,28 +41,46 @@ class TrainOnNode:
         import submitit
 
         env = submitit.JobEnvironment()
-        argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{29500 + int(env.job_id) % 1000}",
-                             str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python)
-        self.process = subprocess.Popen(argv, cwd=REPO)
-        code = self.process.wait()
-        if code:
+        stop_signal = submitit.JobEnvironment.USR_SIG
+        argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{rendezvous_port(env.job_id)}",
+                             str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal)
+        # An ignored signal stays ignored across exec: the agent keeps it so; the workers set a handler.
+        ignore = partial(signal.signal, signal.Signals[f"SIG{stop_signal}"], signal.SIG_IGN)
+        self.process = subprocess.Popen(argv, cwd=REPO, preexec_fn=ignore)
+        code = wait_for_exit(self.process.pid)
+        if code != 0:
             raise RuntimeError(f"torchrun exited with {code}")
         return code
 
     def checkpoint(self):
-        """The warning signal reached the trainer too: let it save and exit, then requeue."""
+        """Runs inside submitit's signal handler, on the main thread, which may be inside __call__'s
+        wait: waits for the trainer to save and exit, then returns the resubmission."""
         import submitit
 
         if self.process is not None:
-            self.process.wait()
+            wait_for_exit(self.process.pid)
         return submitit.helpers.DelayedSubmission(TrainOnNode(self.overrides, self.nproc_per_node, self.python))
+
+
+def wait_for_exit(pid: int) -> int | None:
+    """The exit code of child `pid`, from plain waitpid polls. Popen.wait holds a lock that a signal
+    handler waiting on the same child would block on forever; this holds none. None if the other
+    waiter (the handler, or the code it interrupted) reaped the child first."""
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=0)
-    parser.add_argument("--nproc-per-node", type=int, help="ranks per node (default: GPUs per node, or 1)")
+    parser.add_argument("--nodes", type=positive_int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, choices=range(0, 65), metavar="0..64", default=0)
+    parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default: GPUs per node, or 1)")
     parser.add_argument("--partition")
     parser.add_argument("--time", type=int, default=60, help="minutes")
     parser.add_argument("--local", action="store_true", help="run here, without a scheduler")
@@ -61,7 +88,7 @@ def main() -> None:
     parser.add_argument("--logs", default="dump/submitit_logs")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
-    nproc = opts.nproc_per_node or max(opts.gpus_per_node, 1)
+    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else max(opts.gpus_per_node, 1)
     if opts.local:
         argv = torchrun_args(1, nproc, "localhost:29500", f"local-{uuid.uuid4().hex[:8]}", opts.overrides, "dump/local", sys.executable)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)

@@ -5,6 +5,9 @@
 
 prints it shell-quoted. Overrides pass through unchanged; a default `dump_dir` and `stop_signal=USR1`
 (checkpoint and exit on Slurm's warning signal) are added unless the overrides set them.
+
+The rendezvous port of a job is 29500 + job id % 3000: below Linux's ephemeral ports (32768 up), and
+the same for two jobs on one head node only when their ids differ by a multiple of 3000.
 """
 
 import argparse
@@ -14,12 +17,32 @@ import sys
 DEFAULT_STOP_SIGNAL = "USR1"
 
 
+def rendezvous_port(job_id: str | int) -> int:
+    return 29500 + int(job_id) % 3000
+
+
+def positive_int(text: str) -> int:
+    """argparse type of node and rank counts."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _key(override: str) -> str:
+    """The config key a hydra override sets (`key=v`, `+key=v`, `++key=v`)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
-                  dump_dir: str | None = None, python: str = "python") -> list[str]:
+                  dump_dir: str | None = None, python: str = "python", stop_signal: str = DEFAULT_STOP_SIGNAL,
+                  ) -> list[str]:
     """argv of torchrun on one node, running train.py with the overrides."""
-    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1")
+    given = {_key(o) for o in overrides if "=" in o}
     extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
-    extra += [] if "stop_signal" in given else [f"stop_signal={DEFAULT_STOP_SIGNAL}"]
+    extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
@@ -28,15 +51,15 @@ def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id:
 
 
 def dump_dir_of(overrides: list[str], default: str) -> str:
-    """Where the run writes: the last dump_dir= override, else `default`."""
-    values = [o.split("=", 1)[1] for o in overrides if o.startswith("dump_dir=")]
+    """Where the run writes: the last dump_dir= (or +/++dump_dir=) override, else `default`."""
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and _key(o) == "dump_dir" and not o.startswith("~")]
     return values[-1] if values else default
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nnodes", type=int, required=True)
-    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--nnodes", type=positive_int, required=True)
+    parser.add_argument("--nproc-per-node", type=positive_int, required=True)
     parser.add_argument("--rdzv-endpoint", required=True)
     parser.add_argument("--rdzv-id", required=True)
     parser.add_argument("--dump-dir")

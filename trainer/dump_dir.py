@@ -3,8 +3,10 @@ second job (a duplicate launch, a sweep pointed at one folder) from writing into
 
 The lock is `{dump_dir}/.lock`, created exclusively (O_EXCL, which shared filesystems honour) by the
 job's rank 0 and holding who owns it. The holder touches it every few seconds; a lock whose holder is a
-dead process on this host, or whose heartbeat stopped (a holder on another node that died), is stale
-and taken over. Anything else is a live job, and the newcomer is refused in one line naming it.
+dead process on this host, or whose heartbeat stopped (a holder on another node that died), or an
+earlier attempt of the same torchrun job (its restart, which may put rank 0 on another node, comes
+only after torchrun stopped every worker of that attempt), is stale and taken over. Anything else is
+a live job, and the newcomer is refused in one line naming it.
 """
 
 import json
@@ -25,9 +27,11 @@ STALE_AFTER_S = 30.0
 
 
 class DumpDirLock:
-    def __init__(self, dump_dir: Path, job: str):
+    def __init__(self, dump_dir: Path, job: str, attempt: int = 0):
+        """`job`: torchrun's run id; `attempt`: its restart count."""
         self.path = Path(dump_dir) / LOCK_FILE
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "since": time.time()}
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "attempt": attempt,
+                      "since": time.time()}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -59,6 +63,8 @@ class DumpDirLock:
         except ValueError:  # being written right now: live unless it stays unreadable
             return None if age > STALE_AFTER_S else "a job that is starting"
         if age > STALE_AFTER_S:
+            return None
+        if owner.get("job") == self.owner["job"] and owner.get("attempt", self.owner["attempt"]) < self.owner["attempt"]:
             return None
         if owner.get("host") == self.owner["host"] and not _alive(int(owner.get("pid", -1))):
             return None
@@ -97,7 +103,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, group: ProcessGroup) -> DumpDirLock | None:
+def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, attempt: int,
+                 group: ProcessGroup) -> DumpDirLock | None:
     """Rank 0 makes dump_dir (and checkpoints/ when the job saves), checks that it can write there, and
     takes the lock; every rank receives the verdict, so all stop together on the same line. Returns
     the lock on rank 0 (release it when the job ends), None elsewhere."""
@@ -105,7 +112,7 @@ def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, group: 
     if rank == 0:
         problem = _unwritable(dump_dir, checkpoints)
         if problem is None:
-            lock = DumpDirLock(dump_dir, job)
+            lock = DumpDirLock(dump_dir, job, attempt)
             holder = lock.acquire()
             if holder is not None:
                 lock, problem = None, f"dump_dir={dump_dir} is in use by {holder}; let it finish, stop it, or use another dump_dir"

@@ -1,7 +1,9 @@
 """stop_signal=USR1: a signal asks the job to checkpoint and exit cleanly (Slurm's warning before the
 time limit or before preemption), so a requeued or resubmitted job resumes where it stopped.
 
-Each rank notes the signal in a handler; after every step all ranks agree in one all-reduce (max) over
+Each rank notes the signal in a handler installed as the process starts (a signal during data
+preparation, model build or checkpoint load, minutes at scale, stops the job after its first step
+instead of being lost or killing the rank); after every step all ranks agree in one all-reduce (max) over
 the world whether any of them got it (ranks receive a signal at slightly different times, and all must
 stop after the same step). The stopped job saves a checkpoint of that step, writes
 {dump_dir}/stopped.json (the step and the signal: what a batch script reads to requeue itself) and exits
@@ -20,26 +22,33 @@ from parallel import comm
 STOPPED_FILE = "stopped.json"
 
 
-class StopOnSignal:
-    def __init__(self, name: str | None, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
-                 is_writer: bool):
-        """`name`: a signal name without the SIG prefix (USR1), or None for no handler (and no all-reduce)."""
-        self.name, self.group, self.device = name, group, device
-        self.marker = dump_dir / STOPPED_FILE
-        self._received = False
-        if is_writer:
-            self.marker.unlink(missing_ok=True)
+class StopRequest:
+    """This rank's note of the stop signal, from the moment it is created."""
+
+    def __init__(self, name: str | None):
+        """`name`: a signal name without the SIG prefix (USR1), or None for no handler."""
+        self.name, self.received = name, False
         if name is not None:
             signal.signal(signal.Signals[f"SIG{name}"], self._note)
 
     def _note(self, signum: int, frame: object) -> None:
-        self._received = True
+        self.received = True
+
+
+class StopOnSignal:
+    def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
+                 is_writer: bool):
+        """With `request.name` None: never stops, and no all-reduce."""
+        self.request, self.name, self.group, self.device = request, request.name, group, device
+        self.marker = dump_dir / STOPPED_FILE
+        if is_writer:
+            self.marker.unlink(missing_ok=True)
 
     def agreed(self) -> bool:
         """After a step, on every rank: did any rank get the signal? (One small all-reduce when enabled.)"""
         if self.name is None:
             return False
-        flag = torch.tensor([float(self._received)], device=self.device)
+        flag = torch.tensor([float(self.request.received)], device=self.device)
         if comm.size_of(self.group) > 1:
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX, label="stop signal")
         return bool(flag.item())

@@ -34,7 +34,7 @@ from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog, record_history_owner
 from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
-from trainer.preemption import StopOnSignal
+from trainer.preemption import StopOnSignal, StopRequest
 from trainer.parallelize import (
     DTYPE_NAMES, DTYPES, block_factory, build_chunks, cp_context, parallelize, tp_context,
 )
@@ -94,6 +94,7 @@ def log0(rank: int, msg: str) -> None:
 
 def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     """Train with a validated config (trainer.validate.validate gave `dims`)."""
+    stop_request = StopRequest(cfg.stop_signal)  # first: a stop signal during start-up is kept
     if launch.torchrun:
         exit_with_launcher()
     device = select_device(launch)
@@ -102,23 +103,26 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     seed_everything(cfg.seed)
     init_process_group(launch, device, cfg.comm_timeout_s)
     try:
-        _train(cfg, launch, dims, device)
+        _train(cfg, launch, dims, device, stop_request)
     finally:
         shutdown_process_groups()
 
 
-def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device) -> None:
+def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device,
+           stop_request: StopRequest) -> None:
     mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
     dump_dir = Path(cfg.dump_dir)
-    lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, dist.group.WORLD)
+    lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
+                        dist.group.WORLD)
     try:
-        _train_in(cfg, launch, mesh, device, dump_dir)
+        _train_in(cfg, launch, mesh, device, dump_dir, stop_request)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path) -> None:
+def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path,
+              stop_request: StopRequest) -> None:
     log = partial(log0, launch.rank)
     tokenizer, loader, eval_loader = _build_data(cfg, mesh, launch.rank, log)
     trainer = build_trainer(cfg, mesh, loader, device, eval_loader)
@@ -147,7 +151,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         record_history_owner(dump_dir, launch.run_id)
     extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
-    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log)
+    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request)
 
 
 def build_trainer(
@@ -192,7 +196,7 @@ def _build_data(
 
 def _fit(
     cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: dict[str, Path],
-    rank: int, log: Callable[[str], None],
+    rank: int, log: Callable[[str], None], stop_request: StopRequest,
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
@@ -200,7 +204,7 @@ def _fit(
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
-    stop = StopOnSignal(cfg.stop_signal, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
+    stop = StopOnSignal(stop_request, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
     background = AsyncCheckpointer(ckpt_root, dist.group.WORLD, trainer.mesh.checkpoint_group, rank,
                                    cfg.checkpoint.keep, extra_files, log, trainer.device) \
         if cfg.checkpoint.async_save else None

@@ -12,7 +12,8 @@ POINT is where in step STEP worker RANK dies:
 or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
 reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first);
 with POINT `halt` and RANK `all`, every worker raises FloatingPointError as step STEP begins, as an
-agreed nan_policy=halt stop does.
+agreed nan_policy=halt stop does; with POINT `signal_at_start` (STEP ignored), worker RANK sends itself
+SIGUSR1 as its data preparation begins, long before its first step.
 The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
@@ -55,6 +56,16 @@ def arm(point: str, step: int) -> None:
         return train_step(self, s)
 
     loop.Trainer.train_step = counting_train_step
+    if point == "signal_at_start":
+        from trainer import run
+
+        build_data = run._build_data
+
+        def signalled_build_data(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return build_data(*args, **kwargs)
+
+        run._build_data = signalled_build_data
     if point == "stall":
         reduce_scatter = comm.reduce_scatter_tensor
 
@@ -105,7 +116,7 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in (*POINTS, "stall", "halt"), point
+    assert point in (*POINTS, "stall", "halt", "signal_at_start"), point
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank in ("all", os.environ.get("RANK")):
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]

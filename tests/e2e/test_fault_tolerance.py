@@ -55,7 +55,7 @@ def test_workers_killed_at_random_points_recover_bitwise(tmp_path, straight):
     seed = random.randrange(1 << 16)
     print(f"fault points drawn with seed {seed}")
     draw = random.Random(seed)
-    for i in range(5):
+    for i in range(3):
         point = draw.choice(POINTS)
         step = draw.choice(SAVED_AT) if point.startswith("save") else draw.randint(1, 6)
         rank = 0 if point == "save_rename" else draw.randint(0, 1)  # rank 0 renames the folder

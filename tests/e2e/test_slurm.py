@@ -1,6 +1,6 @@
 """The launchers on a real one-node Slurm cluster (slurmctld, slurmd, munge; installed if missing): the
 batch script trains and the loss falls; a job told to stop with SIGUSR1 checkpoints, requeues itself and
-resumes bitwise; submitit submits the same command and returns. Daemons are stopped by pid."""
+resumes bitwise; a submitit job does the same on submitit's SIGUSR2. Daemons are stopped by pid."""
 
 import json
 import subprocess
@@ -55,45 +55,65 @@ def test_batch_script_trains(cluster, tmp_path):
     assert sorted(records) == list(range(1, 21)) and records[20] < records[1] - 0.3
 
 
-def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(cluster, tmp_path):
-    straight = losses(train_ok(2, tmp_path / "straight", *TINY, "steps=60"))
-    dump = tmp_path / "run"
-    job = _sbatch(cluster, tmp_path / "job.out", (*TINY, "steps=60", f"dump_dir={dump}"))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, float]:
+    return losses(train_ok(2, tmp_path_factory.mktemp("straight"), *TINY, "steps=60"))
+
+
+def _stop_mid_run_and_finish_after_requeue(cluster: SlurmCluster, job: str, dump, out, signal_name: str) -> None:
+    """Signal the job after step 5, then wait until it has stopped, been requeued and run to step 60."""
     deadline = time.monotonic() + 120
     while not (dump / "metrics.jsonl").exists() or len(metrics(dump)) < 5:
-        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()[-3000:]
+        assert time.monotonic() < deadline, out.read_text()[-3000:] if out.exists() else "no job output"
         time.sleep(0.2)
-    cluster.run("scancel", "--signal=USR1", job)
+    cluster.run("scancel", f"--signal={signal_name}", job)
     released = False
 
     def finished() -> bool:
         return cluster.job_state(job) == "" and metrics(dump)[-1]["step"] == 60
 
     while not finished():  # stopped, requeued, run again to the end
-        assert time.monotonic() < deadline + 60, (tmp_path / "job.out").read_text()[-3000:]
+        assert time.monotonic() < deadline + 60, out.read_text()[-3000:] if out.exists() else "no job output"
         if not released and cluster.run("squeue", "-h", "-j", job, "-o", "%T %r").stdout.strip() == "PENDING BeginTime":
             # Slurm holds a requeued job back for two minutes before it may start again: start it in a few
             # seconds (not at once: the old run's revoked job credential must be older than the new one).
             released = cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+3").returncode == 0
         time.sleep(0.5)
-    log = (tmp_path / "job.out").read_text()
-    assert "requeueing job" in log, log[-3000:]
-    stopped = json.loads((dump / "stopped.json").read_text()) if (dump / "stopped.json").exists() else None
-    assert stopped is None  # the requeued job finished and removed it
+    assert not (dump / "stopped.json").exists()  # the requeued job finished and removed it
     checkpoints = sorted(p.name for p in (dump / "checkpoints").iterdir())
     assert checkpoints and all(name.startswith("step_") for name in checkpoints), checkpoints
+
+
+def test_stop_signal_checkpoints_requeues_and_resumes_bitwise(cluster, tmp_path, straight):
+    dump, out = tmp_path / "run", tmp_path / "job.out"
+    job = _sbatch(cluster, out, (*TINY, "steps=60", f"dump_dir={dump}"))
+    _stop_mid_run_and_finish_after_requeue(cluster, job, dump, out, "USR1")
+    assert "requeueing job" in out.read_text(), out.read_text()[-3000:]
     resumed = losses(metrics(dump))
     assert sorted(resumed) == list(range(1, 61))
     assert resumed == straight
 
 
-def test_submitit_launcher_submits_and_returns(cluster, tmp_path):
-    dump = tmp_path / "run"
-    done = subprocess.run(
+def test_submitit_job_stops_on_its_signal_requeues_and_resumes_bitwise(cluster, tmp_path, straight):
+    """submitit asks Slurm for SIGUSR2 before the time limit and requeues from its own handler: the
+    trainer stops on that signal, torchrun's agent outlives it, the handler waits for the save."""
+    dump, logs = tmp_path / "run", tmp_path / "logs"
+    launcher = subprocess.Popen(
         [sys.executable, "scripts/launch.py", "--nodes", "1", "--nproc-per-node", "2", "--time", "5", "--wait",
-         "--logs", str(tmp_path / "logs"), *TINY, "steps=5", f"dump_dir={dump}"],
-        cwd=REPO, env={**ENV, **cluster.env, **JOB_ENV}, capture_output=True, text=True, timeout=240,
+         "--logs", str(logs), *TINY, "steps=60", f"dump_dir={dump}"],
+        cwd=REPO, env={**ENV, **cluster.env, **JOB_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "submitted job" in done.stdout and f"dump folder {dump}" in done.stdout
-    assert sorted(losses(metrics(dump))) == [1, 2, 3, 4, 5]
+    try:
+        submitted = launcher.stdout.readline()
+        assert submitted.startswith("submitted job ") and f"dump folder {dump}" in submitted, submitted
+        job = submitted.split()[2].rstrip(";")
+        _stop_mid_run_and_finish_after_requeue(cluster, job, dump, next(iter(logs.glob("*_log.err")), logs), "USR2")
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, stdout + stderr[-3000:]
+    log = "".join(p.read_text() for p in sorted(logs.glob("*_log.*")))  # submitit's info lines go to .out
+    assert "Requeued job" in log and "stopping after step" in log, log[-3000:]
+    resumed = losses(metrics(dump))
+    assert sorted(resumed) == list(range(1, 61))
+    assert resumed == straight

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from tests.e2e.launch import losses, metrics, start, train_ok
+from tests.e2e.launch import losses, metrics, start, train, train_ok
 
 RUN = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "steps=40", "stop_signal=USR1")
 
@@ -36,3 +36,13 @@ def test_signal_to_one_worker_stops_all_with_a_checkpoint_then_resumes_bitwise(t
     train_ok(2, dump, *RUN)  # the same command resumes
     assert not (dump / "stopped.json").exists()
     assert losses(metrics(dump)) == straight
+
+
+def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
+    """Data preparation, model build and checkpoint load take minutes at scale: a warning signal then
+    must neither kill the rank nor be lost (under Slurm the agent's ignored signal is inherited)."""
+    dump = tmp_path / "run"
+    proc = train(2, dump, *RUN, fault="signal_at_start:0:1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((dump / "stopped.json").read_text()) == {"step": 1, "signal": "SIGUSR1"}
+    assert (dump / "checkpoints" / "step_1" / "manifest.json").is_file()

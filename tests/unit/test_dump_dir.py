@@ -46,6 +46,23 @@ def test_a_lock_whose_holder_died_or_went_silent_is_taken_over(tmp_path):
     taker.release()
 
 
+def test_a_restarted_attempt_of_the_same_job_takes_over_its_live_looking_lock(tmp_path):
+    """torchrun --max-restarts may put the new attempt's rank 0 on another node within the heartbeat
+    window: the earlier attempt's lock is its own job's, and torchrun stopped that attempt first."""
+    lock = tmp_path / LOCK_FILE
+    earlier = {"host": "another-node", "pid": 1, "job": "job-7", "attempt": 0, "since": time.time()}
+    for job, attempt, taken in (("job-7", 1, True), ("job-7", 0, False), ("job-8", 1, False)):
+        lock.write_text(json.dumps(earlier))
+        taker = DumpDirLock(tmp_path, job, attempt)
+        holder = taker.acquire()
+        assert (holder is None) == taken, (job, attempt, holder)
+        if taken:
+            assert json.loads(lock.read_text())["attempt"] == 1
+            taker.release()
+        else:
+            assert "job job-7 (host another-node" in holder
+
+
 def test_release_leaves_another_jobs_lock_alone(tmp_path):
     lock = DumpDirLock(tmp_path, "mine")
     assert lock.acquire() is None

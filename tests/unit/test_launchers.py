@@ -37,9 +37,9 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
 
     command = _sbatch_command(tmp_path, OVERRIDES)
     assert command[1:4] == ["-m", "torch.distributed.run", "--nnodes=2"]
-    assert "--rdzv_endpoint=node7:29734" in command and "--rdzv_id=1234" in command
+    assert "--rdzv_endpoint=node7:30734" in command and "--rdzv_id=1234" in command
     assert command[-5:] == ["stop_signal=USR1", *OVERRIDES]  # overrides pass through, spaces and all
-    app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:29734", rdzv_id="1234",
+    app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:30734", rdzv_id="1234",
                 python=command[0], dump_dir="dump/slurm-1234")
     (role,) = app.roles
     assert [role.entrypoint, *role.args] == command and role.num_replicas == 2
@@ -48,3 +48,14 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
 def test_batch_script_keeps_a_given_dump_dir(tmp_path):
     command = _sbatch_command(tmp_path, ["dump_dir=/shared/run7", "model=tiny"])
     assert [a for a in command if a.startswith("dump_dir=")] == ["dump_dir=/shared/run7"]
+
+
+def test_the_dump_dir_the_batch_script_checks_is_the_one_the_run_writes():
+    """The script requeues on {dump_dir}/stopped.json: a `+`/`++` override sets the run's dump_dir too."""
+    from scripts.launch_command import dump_dir_of, torchrun_args
+
+    for override in ("dump_dir=/data/run1", "+dump_dir=/data/run1", "++dump_dir=/data/run1"):
+        args = torchrun_args(1, 2, "node7:30734", "7", ["model=tiny", override], "dump/slurm-7")
+        assert [a for a in args if "dump_dir" in a] == [override]  # no default added beside it
+        assert dump_dir_of(["model=tiny", override], "dump/slurm-7") == "/data/run1"
+    assert dump_dir_of(["model=tiny"], "dump/slurm-7") == "dump/slurm-7"
