@@ -84,14 +84,33 @@ def own_files(tmp: Path, rank: int) -> dict[str, dict]:
 
 def complete_save(tmp: Path, mine: dict[str, dict], group: ProcessGroup, rank: int,
                   extra_files: dict[str, Path]) -> Path:
-    """Every rank's files are written: rank 0 writes the manifest (last) and renames the folder into
-    place. Returns the checkpoint's final path."""
+    """Every rank's files are written: rank 0 checks that it sees them all, writes the manifest (last)
+    and renames the folder into place; every rank gets its verdict. Returns the checkpoint's final
+    path. A save rank 0 cannot complete raises CheckpointError on every rank and leaves the hidden
+    folder, so nothing is pruned on its account."""
     final = tmp.with_name(tmp.name.removeprefix(".tmp_"))
     entries = comm.all_gather_object(mine, group)
-    if rank == 0:
-        _finish(tmp, final, entries, extra_files)
-    comm.barrier(group)
+    problem = _finish_or_problem(tmp, final, entries, extra_files) if rank == 0 else None
+    problems = [p for p in comm.all_gather_object(problem, group) if p]
+    if problems:
+        raise CheckpointError(problems[0])
     return final
+
+
+def _finish_or_problem(tmp: Path, final: Path, entries: list, extra_files: dict[str, Path]) -> str | None:
+    """Rank 0: complete the save, or say why not (a rank that raised alone would leave the others waiting)."""
+    for writer, rank_entries in enumerate(entries):
+        for name, entry in rank_entries.items():
+            seen = (tmp / name).stat().st_size if (tmp / name).is_file() else None
+            if seen != entry["size"]:
+                state = "missing" if seen is None else f"{seen} bytes, written as {entry['size']}"
+                return (f"checkpoint save into {tmp}: rank {writer}'s file {name} is {state} as rank 0 sees it; "
+                        f"dump_dir must be one folder that every rank shares")
+    try:
+        _finish(tmp, final, entries, extra_files)
+    except OSError as e:
+        return f"checkpoint save into {tmp} could not be completed: {e}"
+    return None
 
 
 def _file_entry(path: Path) -> dict:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainer.checkpoint import (
-    MANIFEST, CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
-    verify_checkpoint,
+    MANIFEST, CheckpointError, complete_save, latest_checkpoint, load_checkpoint, own_files, prepare_save,
+    prune_checkpoints, save_checkpoint, verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
 from trainer.state import load_into
@@ -38,6 +38,22 @@ def test_manifest_lists_every_file(tmp_path, world):
     path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={"notes.txt": _file(tmp_path, "hi")})
     listed = set(__import__("json").loads((path / MANIFEST).read_text())["files"])
     assert listed == {p.name for p in path.iterdir()} - {MANIFEST}
+
+
+def test_a_save_whose_files_rank_0_cannot_see_is_not_completed(tmp_path, world):
+    """On a dump_dir that is not shared (or stale over NFS), another rank's shard may be missing or
+    short where rank 0 looks: the save fails there, before a manifest, a rename or any pruning."""
+    save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={})
+    for written, problem in ((10, "is missing"), (10**6, "is 10 bytes, written as 1000000")):
+        tmp = prepare_save(tmp_path, 2, world, rank=0)
+        if written != 10:  # a short file where rank 0 looks
+            (tmp / "__1_0.distcp").write_bytes(b"x" * 10)
+        other = {"size": written, "sha256": ""}
+        with pytest.raises(CheckpointError, match=f"rank 0's file __1_0.distcp {problem} .*every rank shares"):
+            complete_save(tmp, {**own_files(tmp, 0), "__1_0.distcp": other}, world, rank=0, extra_files={})
+        assert tmp.is_dir() and not (tmp / MANIFEST).exists()
+    prune_checkpoints(tmp_path, keep=1)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
 
 
 def _file(folder, text):
