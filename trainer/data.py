@@ -26,10 +26,9 @@ from trainer.token_shards import (
     sources_fingerprint,
     write_packed_tokens,
 )
-from trainer.tokenizer import Tokenizer, train_tokenizer, trainer_settings_fingerprint
+from trainer.tokenizer import TEXT_CHECK_BYTES, Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
-TEXT_CHECK_BYTES = 1 << 20  # how much of a single-file source is checked to be UTF-8 text
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 # Bump when the cache layout or packing format changes, so old caches are not reused.
@@ -60,34 +59,38 @@ def resolve_source_files(source: str | None) -> list[Path]:
     if root.is_file():
         _check_text_file(root, source)
         return [root]
-    files = [
-        path
-        for path in root.rglob("*")
-        if path.suffix in SOURCE_SUFFIXES and path.is_file() and not _is_hidden(path.relative_to(root))
-    ]
+    files = [path for path in _visible_files_under(root) if path.suffix in SOURCE_SUFFIXES and path.is_file()]
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
     return sorted(files, key=lambda path: str(path.relative_to(root)))
 
 
 def _check_text_file(path: Path, source: str) -> None:
-    """A file named on its own must be text: a folder is filtered by suffix, a single file is checked."""
+    """A file named on its own is checked on every rank before anything else; a folder's files are
+    filtered by suffix here and checked as the main rank reads them (tokenizer.iter_documents)."""
     if path.suffix not in SOURCE_SUFFIXES:
         raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
     with path.open("rb") as f:
         head = f.read(TEXT_CHECK_BYTES)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if e.start < len(head) - 3:  # not just a character cut at the end of the sample
-            raise ConfigError(f"data.source={source} is not UTF-8 text (invalid byte at offset {e.start})")
-    if b"\0" in head:
-        raise ConfigError(f"data.source={source} is not text (it contains NUL bytes)")
+        reason = not_text_reason(head, whole_file=not f.read(1))
+    if reason is not None:
+        raise ConfigError(f"data.source={source} {reason}")
 
 
-def _is_hidden(relative: Path) -> bool:
-    # Hidden folders (.git, .venv, .cache) hold tooling, not training text.
-    return any(part.startswith(".") for part in relative.parts)
+def _visible_files_under(root: Path) -> list[Path]:
+    """Every file under `root` outside hidden folders (.git, .venv, .cache hold tooling, not training
+    text), following symlinked folders as a corpus assembled from links needs; each real folder is
+    read once, so a link loop ends."""
+    seen, files = set(), []
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        files.extend(Path(folder) / name for name in names if not name.startswith("."))
+    return files
 
 
 class _CachePaths:

@@ -22,6 +22,20 @@ from parallel.fsdp.unit import FSDPUnit
 
 KEY = "checkpoint.init_from_hf"
 INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.model"  # what an export writes: the sentencepiece model of the weights' ids
+
+
+def run_tokenizer(data_tokenizer: str | None, init_from_hf: str | None) -> str | None:
+    """The tokenizer a run uses: `data.tokenizer`; else, starting from a Hugging Face folder, the
+    folder's tokenizer.model (weights are only meaningful with the ids they were trained on); else
+    None (a tokenizer is trained on the data). A folder without one needs `data.tokenizer` named."""
+    if data_tokenizer is not None or init_from_hf is None:
+        return data_tokenizer
+    shipped = Path(init_from_hf).expanduser() / TOKENIZER
+    if not shipped.is_file():
+        raise ConfigError(f"{KEY}={init_from_hf} has no {TOKENIZER}: set data.tokenizer to the sentencepiece model "
+                          f"its weights were trained with (data.tokenizer=null would train a new one, with other ids)")
+    return str(shipped)
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -27,7 +27,7 @@ from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import own_dump_dir
 from trainer.fingerprint import FINGERPRINT_FILE, data_fingerprint, run_fingerprint, write_fingerprint
-from trainer.hf_import import import_hf
+from trainer.hf_import import import_hf, run_tokenizer
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
 from trainer.memory import MemorySnapshots
@@ -174,8 +174,11 @@ def _build_data(
     cfg: TrainConfig, mesh: ParallelMesh, rank: int, log: Callable[[str], None]
 ) -> tuple[Tokenizer, BatchLoader, BatchLoader | None]:
     """The tokenizer, the training batches and (with eval.freq) the held-out evaluation batches."""
+    tokenizer_path = run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
+    if tokenizer_path != cfg.data.tokenizer:
+        log(f"data: tokenizer {tokenizer_path} (of checkpoint.init_from_hf; data.tokenizer is null)")
     tokenizer, tokens = prepare_dataset(
-        cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, Path(cfg.data.cache_dir),
+        cfg.data.source, tokenizer_path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
     )
     dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp

@@ -62,9 +62,30 @@ class Tokenizer:
         return self._sp.Decode(list(ids))
 
 
+TEXT_CHECK_BYTES = 1 << 20  # how much of each source file must be UTF-8 text
+
+
+def not_text_reason(head: bytes, whole_file: bool) -> str | None:
+    """Why a file whose first bytes are `head` is not UTF-8 text, or None. Checked on the head only:
+    a file in another encoding (UTF-16, Latin-1) or a binary one shows there, while a stray bad byte
+    further on is replaced when read rather than fatal."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if whole_file or e.start < len(head) - 3:  # not just a character cut at the end of the sample
+            return f"is not UTF-8 text (invalid byte at offset {e.start})"
+    if b"\0" in head:
+        return "is not text (it contains NUL bytes)"
+    return None
+
+
 def iter_documents(path: Path) -> Iterator[str]:
     """Yields the documents of one file: each line's "text" for .jsonl, else the whole file."""
-    # Undecodable bytes in user text are replaced rather than fatal: one bad byte should not stop a run.
+    with path.open("rb") as f:
+        head = f.read(TEXT_CHECK_BYTES)
+        reason = not_text_reason(head, whole_file=not f.read(1))
+    if reason is not None:
+        raise ConfigError(f"data.source file {path} {reason}")
     if path.suffix != ".jsonl":
         yield path.read_text(encoding="utf-8", errors="replace")
         return

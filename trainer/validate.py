@@ -18,7 +18,7 @@ from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key
 from trainer.fingerprint import ALLOWABLE
-from trainer.hf_import import check_hf_folder
+from trainer.hf_import import check_hf_folder, run_tokenizer
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -49,6 +49,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
     _check_fp8(cfg)
+    _check_keys_with_effect(cfg)
     # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
     pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
     dims = ParallelDims.from_sizes(
@@ -57,6 +58,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
         check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
+        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
     return dims
 
 
@@ -159,6 +161,25 @@ def _check_fp8(cfg: TrainConfig) -> None:
                 f"model.use_fp8=true needs every fp8 GEMM dimension divisible by {GEMM_MULTIPLE} "
                 f"(torch._scaled_mm): {what} = {size} is not"
             )
+
+
+# Keys that change nothing unless another key allows it: set away from the default without it, they
+# would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
+_NEEDS = (
+    ("context_parallel_comm", "context_parallel_size > 1", lambda c: c.context_parallel_size > 1),
+    ("model.sequence_parallel", "model_parallel_size > 1", lambda c: c.model_parallel_size > 1),
+    ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)",
+     lambda c: c.context_parallel_size == 1),
+    ("eval.steps", "eval.freq > 0", lambda c: c.eval.freq > 0),
+    ("checkpoint.async_save", "checkpoint.freq > 0 (a save on a stop signal is synchronous)",
+     lambda c: c.checkpoint.freq > 0),
+)
+
+
+def _check_keys_with_effect(cfg: TrainConfig) -> None:
+    for key, needs, has in _NEEDS:
+        if get_key(cfg, key) != get_key(_DEFAULTS, key) and not has(cfg):
+            raise ConfigError(f"{key}={get_key(cfg, key)} needs {needs}; without it the key changes nothing")
 
 
 def _check_te_combinations(cfg: TrainConfig) -> None:

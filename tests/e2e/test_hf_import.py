@@ -1,7 +1,9 @@
 """checkpoint.init_from_hf: a Llama saved by transformers starts training on tp=2 x dp=2 with exactly
-its weights (each rank reads only its boxes), gives transformers' logits, and exports back bitwise."""
+its weights (each rank reads only its boxes) and the tokenizer.model it ships, gives transformers'
+logits, and exports back bitwise."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from model.transformer import Transformer
 from parallel.errors import ConfigError
-from tests.e2e.launch import REPO, train_ok
+from tests.e2e.launch import DATA_CACHE, REPO, train_ok
 from trainer.config import TrainConfig, from_dict
-from trainer.hf_import import check_hf_folder, tensor_files
+from trainer.data import prepare_dataset
+from trainer.hf_import import check_hf_folder, run_tokenizer, tensor_files
 from trainer.state import load_full_weights
 
 transformers = pytest.importorskip("transformers")
@@ -49,6 +52,9 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
     hf_dir = tmp_path / "hf"
     hf = tiny_llama(hf_dir, shard_size="100KB")  # several shards and an index, as published models ship
     assert (hf_dir / "model.safetensors.index.json").is_file()
+    # A sentencepiece model of the vocabulary, as an exported folder ships (the default data's).
+    shipped, _ = prepare_dataset(None, None, 512, DATA_CACHE, True, print)
+    shutil.copyfile(shipped.model_path, hf_dir / "tokenizer.model")
     dump = tmp_path / "run"
     train_ok(4, dump, *FROZEN, "model_parallel_size=2", "model.sequence_parallel=true", "batch_size=2",
              f"checkpoint.init_from_hf={hf_dir}")
@@ -68,6 +74,8 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(ckpt), str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    # data.tokenizer=null: the run took the folder's tokenizer, not a newly trained one.
+    assert (out / "tokenizer.model").read_bytes() == (hf_dir / "tokenizer.model").read_bytes()
     original, exported = hf_tensors(hf_dir), hf_tensors(out)
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
@@ -97,6 +105,10 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
         assert "checkpoint.init_from_hf=" in str(e.value) and "\n" not in str(e.value)
     tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding stands in
     check_hf_folder(tmp_path / "tied", args)
+    # No tokenizer.model in the folder: the weights' ids are unknown, so data.tokenizer must name them.
+    with pytest.raises(ConfigError, match="tied has no tokenizer.model: set data.tokenizer to the sentencepiece"):
+        run_tokenizer(None, str(tmp_path / "tied"))
+    assert run_tokenizer("/tok/spm.model", str(tmp_path / "tied")) == "/tok/spm.model"
 
 
 def test_a_single_file_wins_over_stale_shards_as_in_transformers(tmp_path):

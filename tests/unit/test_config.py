@@ -99,6 +99,12 @@ def test_llama3_8b_dimensions():
         (["steps=3", "mem_snapshot_stop_step=5"], 1, "mem_snapshot_stop_step=5 must be <= steps=3"),
         (["steps=8", "optim.warmup_steps=10", "optim.decay_steps=5"], 1,
          "optim.decay_steps=5 must be >= optim.warmup_steps=10 when steps=8 runs past it"),
+        (["context_parallel_comm=ring"], 2, "context_parallel_comm=ring needs context_parallel_size > 1"),
+        (["model.sequence_parallel=true"], 2, "model.sequence_parallel=True needs model_parallel_size > 1"),
+        (["context_parallel_size=2", "model.efficient_attn=math"], 2,
+         "model.efficient_attn=math needs context_parallel_size=1 (CP computes its own attention)"),
+        (["eval.steps=3"], 1, "eval.steps=3 needs eval.freq > 0; without it the key changes nothing"),
+        (["checkpoint.async_save=true"], 1, "checkpoint.async_save=True needs checkpoint.freq > 0"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):

@@ -205,6 +205,28 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
         resolve_source_files(str(tmp_path / "empty"))
 
 
+def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_file(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    root, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    for folder in (root / "own", root / ".git", elsewhere):
+        folder.mkdir(parents=True)
+    (root / "own" / "a.txt").write_text("alpha")
+    (root / ".git" / "b.txt").write_text("tooling")
+    (elsewhere / "c.md").write_text("gamma")
+    (root / "linked").symlink_to(elsewhere)  # a corpus assembled from links
+    (elsewhere / "loop").symlink_to(root)  # and a loop back, read once
+    files = resolve_source_files(str(root))
+    assert [p.relative_to(root).as_posix() for p in files] == ["linked/c.md", "own/a.txt"]
+    # Another encoding inside a folder is refused by name (a single-file source is checked up front).
+    (root / "own" / "d.txt").write_text("delta " * 50, encoding="utf-16")
+    with pytest.raises(ConfigError, match=r"^data.source file .*own/d.txt is not UTF-8 text \(invalid byte at offset 0\)$"):
+        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+    (root / "own" / "d.txt").write_bytes(b"delta\xff")  # a short file has no cut character to excuse
+    with pytest.raises(ConfigError, match=r"own/d.txt is not UTF-8 text \(invalid byte at offset 5\)"):
+        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+
+
 def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"model.vocab_size=512 .*data.tokenizer=.*\(vocab size {VOCAB}\)"):
         prepare_dataset(str(corpus), tokenizer.model_path, 512, tmp_path, True, print)
