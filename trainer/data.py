@@ -136,15 +136,20 @@ def prepare_dataset(
     is_main_rank: bool,
     log: Callable[[str], None],
     timeout_s: float = 3600,
+    agree: Callable[[str], None] = lambda key: None,
 ) -> tuple[Tokenizer, PackedTokens]:
     """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
 
     Every rank validates the source and a given tokenizer first, so bad input fails on all ranks at
-    once. Non-main ranks then wait (silently) for the main rank's cache or its error marker.
+    once; `agree(cache key)` then raises on every rank unless all ranks computed the same key (a rank
+    that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
+    (silently) for the main rank's cache or its error marker.
     """
     files = resolve_source_files(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
-    paths = _CachePaths(Path(cache_dir), _cache_key(files, vocab_size, given))
+    key = _cache_key(files, vocab_size, given)
+    agree(key)
+    paths = _CachePaths(Path(cache_dir), key)
     if is_main_rank:
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)

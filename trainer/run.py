@@ -179,7 +179,7 @@ def _build_data(
         log(f"data: tokenizer {tokenizer_path} (of checkpoint.init_from_hf; data.tokenizer is null)")
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, tokenizer_path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
-        is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s,
+        is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=_same_data_on_every_rank,
     )
     dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp
     train_windows, held_out = split_windows(tokens.num_sequences(cfg.seq_len), cfg.data.held_out_fraction)
@@ -195,6 +195,16 @@ def _build_data(
             f"{cfg.data.held_out_fraction} holds {len(held_out)}; lower eval.steps or raise the fraction"
         )
     return tokenizer, loader, BatchLoader(tokens, eval_sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+
+
+def _same_data_on_every_rank(cache_key: str) -> None:
+    """The data cache key (source paths, sizes and mtimes, vocabulary, tokenizer) is every rank's."""
+    keys = comm.all_gather_object(cache_key, dist.group.WORLD)
+    differing = [rank for rank, key in enumerate(keys) if key != keys[0]]
+    if differing:
+        raise ConfigError(
+            f"data.source: rank {differing[0]} sees other source files or tokenizer than rank 0 (path, size or "
+            f"modification time differ); every node needs the same files, with data.cache_dir shared")
 
 
 def _fit(

@@ -227,6 +227,27 @@ def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_fi
         write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
 
 
+def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_path: Path, monkeypatch) -> None:
+    """A rank whose source files differ (another node's copy, another Python's stdlib) would wait an
+    hour for a cache the main rank never builds: all ranks compare cache keys first."""
+    from trainer import run
+
+    keys = []
+
+    def disagree(key: str) -> None:
+        keys.append(key)
+        raise ConfigError("stop here")
+
+    with pytest.raises(ConfigError, match="stop here"):
+        prepare_dataset(str(corpus), None, VOCAB, tmp_path, False, print, agree=disagree)
+    assert len(keys) == 1 and not any(tmp_path.iterdir())  # nothing built, nothing waited for
+    monkeypatch.setattr(run.comm, "all_gather_object", lambda obj, group: [obj, obj, "other"])
+    with pytest.raises(ConfigError, match=r"^data.source: rank 2 sees other source files or tokenizer than rank 0"):
+        run._same_data_on_every_rank(keys[0])
+    monkeypatch.setattr(run.comm, "all_gather_object", lambda obj, group: [obj, obj])
+    run._same_data_on_every_rank(keys[0])
+
+
 def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"model.vocab_size=512 .*data.tokenizer=.*\(vocab size {VOCAB}\)"):
         prepare_dataset(str(corpus), tokenizer.model_path, 512, tmp_path, True, print)
