@@ -134,7 +134,8 @@ def on_full_grad(unit: FSDPUnit, full: torch.Tensor) -> None:
     grad, full.grad = full.grad, None
     if unit.reduces_now:
         if unit.ticket.done:  # never reduce a gradient without it
-            raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended")
+            raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended (a unit "
+                               f"called twice in one forward, or two backwards through one forward, is not supported)")
         unit.pending_grad = grad  # reduced at the end of the unit's backward
     else:
         accumulate_unsharded(unit, grad)

@@ -90,6 +90,7 @@ def fully_shard(
     Parameters are the TP-local ones; those marked `tp_dim=None` (or unmarked) are TP-replicated.
     For a model built on the meta device, `init` gives the initial value of the boxes each rank's shard
     holds, unit by unit (see FSDPUnit)."""
+    _refuse_parameters_shared_between_units(model, unit_names)
     units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp, init)
              for name in unit_names]
     stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
@@ -99,3 +100,13 @@ def fully_shard(
     for unit in units:
         register_hooks(unit, root)
     return root
+
+
+def _refuse_parameters_shared_between_units(model: nn.Module, unit_names: list[str]) -> None:
+    """Tied weights in two units would become two flat copies, each trained on its own gradient."""
+    owner: dict[int, str] = {}
+    for unit_name in unit_names:
+        for name, param in model.get_submodule(unit_name).named_parameters():
+            if owner.setdefault(id(param), unit_name) != unit_name:
+                raise ValueError(f"parameter {unit_name}.{name} is also in FSDP unit {owner[id(param)]} (tied "
+                                 f"weights): each unit would train its own copy; put the modules that share it in one unit")

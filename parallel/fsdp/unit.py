@@ -95,8 +95,14 @@ class FSDPUnit:
         self.tp = tp or TPGroups()
         self.rank = shard_group.rank()
         self.spec = FlatParamSpec.of_module(module, shard_group.size())
+        if not self.spec.names:
+            raise ValueError(f"FSDP unit {name} has no parameters (nothing to shard): leave it out of the units")
         owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.spec.names]
         params = [getattr(sub, attr) for sub, attr in owners]
+        frozen = [n for n, p in zip(self.spec.names, params) if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
+                             f"parameter trains every element it holds (the frozen one would be trained)")
         # How each parameter is split over TP (checkpoints map shards to full parameters with it), and
         # the flat slices of those that are not split (norm weights).
         self.tp_splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for p in params)
