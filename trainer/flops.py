@@ -25,12 +25,13 @@ def matmul_params(args: ModelArgs) -> int:
 
 
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6N (forward + backward matmuls) plus 12 * layers * dim * seq for attention scores and values.
+    """6N (forward + backward matmuls) plus 12 * layers * (heads * head_dim) * seq for attention scores
+    and values.
 
     The attention term counts the full seq x seq product, as PaLM and Megatron do, although causal
     masking makes half of it unnecessary.
     """
-    return 6.0 * matmul_params(args) + 12.0 * args.n_layers * args.dim * seq_len
+    return 6.0 * matmul_params(args) + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -25,7 +25,7 @@ from parallel.pipeline.runtime import PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
-from trainer.metrics import StepMetrics, peak_memory_gib
+from trainer.metrics import StepMetrics, peak_memory_gib, start_memory_peak
 from trainer.nonfinite import first_nonfinite_unit, halt_message
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
 
@@ -79,6 +79,7 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step `step` (1-based) and return its metrics."""
         self.start_fp8_scaling()
+        start_memory_peak(self.device)
         start = time.perf_counter()
         comm.LEDGER.reset(step)
         comm.set_phase("forward and backward")

@@ -25,8 +25,15 @@ SUPERSEDED_FILE = "metrics.superseded.jsonl"
 JOB_FILE = "job.json"  # which job writes metrics.jsonl
 
 
+def start_memory_peak(device: torch.device) -> None:
+    """At a step's start: the CUDA peak counts from here (a process's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated device memory on CUDA; peak resident set size of this process on CPU."""
+    """Peak allocated device memory since start_memory_peak on CUDA; peak resident set size of this
+    process so far on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

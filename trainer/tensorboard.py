@@ -1,7 +1,7 @@
 """The per-step scalars of metrics.jsonl as TensorBoard event files under {dump_dir}/tb/ (one writer rank).
 
-Scalars: loss, eval_loss, lr, grad_norm, tokens/s, step time, TFLOP/s (end to end and computing),
-exposed communication, peak memory, and communication bytes per op. A resumed job purges the events
+Scalars: loss, eval_loss, lr, grad_norm, tokens/s, step time, TFLOP/s and MFU (end to end and
+computing), exposed communication, peak memory, skipped steps, and communication bytes per op. A resumed job purges the events
 of the steps it redoes, as metrics.jsonl moves their records aside, so curves never double back.
 """
 
@@ -11,7 +11,7 @@ from trainer.metrics import StepMetrics
 
 TB_DIR = "tb"
 _SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
-            "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib")
+            "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib", "skipped_steps")
 
 
 class TensorBoardLog:

@@ -30,5 +30,5 @@ def test_tensorboard_events_hold_the_logged_steps_once(tmp_path):
     eval_loss = _scalars(dump, "eval/loss")
     assert sorted(eval_loss) == [2, 4, 6]
     assert math.isclose(eval_loss[4], records[4]["eval_loss"], rel_tol=1e-6)
-    for tag in ("train/lr", "train/tokens_per_s", "train/tflops", "train/mem_peak_gib"):
+    for tag in ("train/lr", "train/tokens_per_s", "train/tflops", "train/mem_peak_gib", "train/skipped_steps"):
         assert sorted(_scalars(dump, tag)) == [1, 2, 3, 4, 5, 6], tag

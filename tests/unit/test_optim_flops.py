@@ -44,9 +44,11 @@ def test_clip_matches_torch():
     assert all(torch.equal(a, b) for a, b in zip(grads, unclipped))
 
 
-def test_flops_formula_matches_torch_flop_counter():
+@pytest.mark.parametrize("dim, n_heads", [(64, 4), (100, 6)])  # 6 heads of 16 = 96, not dim
+def test_flops_formula_matches_torch_flop_counter(dim: int, n_heads: int):
     # The math attention path: torch's counter has no formula for the CPU flash-attention kernel.
-    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32, efficient_attn="math")
+    args = ModelArgs(n_layers=2, dim=dim, n_heads=n_heads, n_kv_heads=n_heads // 2, vocab_size=128, max_seq_len=32,
+                     efficient_attn="math")
     model = Transformer(args)
     init_weights(model, args, seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 32))
