@@ -8,6 +8,7 @@ layout fails with one line instead of a hang.
 
 import gc
 import os
+import socket
 import time
 from datetime import timedelta
 from functools import partial
@@ -146,9 +147,22 @@ class LaunchEnv:
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
             torchrun="MASTER_ADDR" in env and "MASTER_PORT" in env,
-            run_id=env.get("TORCHELASTIC_RUN_ID") or f"local-{os.getpid()}-{time.time_ns()}",
+            run_id=_run_id(env),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
+
+
+def _run_id(env: os._Environ) -> str:
+    """torchrun's rendezvous id; a lone process's is unique. A static launch without --rdzv_id gets
+    torchrun's default "none", the same for every job: its agent (this worker's parent, the same
+    across the agent's restarts of the group) names the job then, as rank 0 sees it (run.py shares
+    rank 0's id)."""
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return f"local-{os.getpid()}-{time.time_ns()}"
+    if run_id == "none":
+        return f"none-{socket.gethostname()}-{os.getppid()}"
+    return run_id
 
 
 def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

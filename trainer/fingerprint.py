@@ -31,21 +31,23 @@ KERNELS = ("model.use_te_layers", "model.efficient_attn")
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
 # are resolved first. The amax history's length is its checkpointed shape: it cannot change.
 _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8_amax_history_len", "seq_len",
-                  "seed", "data.held_out_fraction")
+                  "seed", "data.held_out_fraction", "eval.steps")
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
 # defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KERNELS, "model.fp8_amax_history_len")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
-_ABSENT_MEANS_UNKNOWN = ("data_sample",)
+_ABSENT_MEANS_UNKNOWN = ("data_sample", "eval.steps")
 # Keys a resume may change when the user names them in resume.allow_changed.
-ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS)
+ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS, "eval.steps")
 _FORMAT_HINT = ("the checkpoint's fp8 scales were computed for the old format's range and would quantize the "
                 "first resumed step wrongly (an E5M2 gradient scale overflows E4M3)")
 _HINTS = {
     "optim.decay_steps": "where the LR decay ends: optim.decay_steps, or steps when unset; pass "
                          "optim.decay_steps={old} to continue the same schedule",
-    "tokenizer": "data.tokenizer (or the tokenizer trained for data.source) changed",
+    "tokenizer": "data.tokenizer changed (or, with data.tokenizer=null, the tokenizer.model of "
+                 "checkpoint.init_from_hf, or the tokenizer trained for data.source)",
+    "eval.steps": "eval_loss averages this many held-out batches: another count measures another subset",
     "data": "data.source (or its packed tokens) changed",
     "data_sample": "data.source (or its packed tokens) changed",
     "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "

@@ -111,6 +111,8 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device,
            stop_request: StopRequest) -> None:
     mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
+    # Rank 0's name for the job on every rank (a static launch's is its agent's, so per node).
+    launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, dist.group.WORLD)[0])
     dump_dir = Path(cfg.dump_dir)
     lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
                         dist.group.WORLD)

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +12,24 @@ REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = REPO / ".cache" / "data"
 
 
-def command(nproc: int, dump_dir: Path, *overrides: str, fault: str | None = None, max_restarts: int = 0) -> list[str]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(nproc: int, dump_dir: Path, *overrides: str, fault: str | None = None, max_restarts: int = 0,
+            standalone: bool = True) -> list[str]:
     """train.py on `nproc` CPU ranks under torchrun, or as a plain process for nproc=0. `fault`: run it
-    through tests/e2e/faulty_train.py with that fault (POINT:STEP:RANK)."""
+    through tests/e2e/faulty_train.py with that fault (POINT:STEP:RANK). standalone=False: a static
+    launch on a free port, whose rendezvous id is torchrun's default "none"."""
     args = [f"dump_dir={dump_dir}", f"data.cache_dir={DATA_CACHE}", *overrides]
     script = [str(REPO / "train.py")] if fault is None else [str(REPO / "tests" / "e2e" / "faulty_train.py"), fault]
     if nproc == 0:
         return [sys.executable, *script, *args]
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
+    rendezvous = ["--standalone"] if standalone else [f"--master_port={free_port()}"]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}", *restarts,
             *script, *args]
 
 
@@ -27,9 +37,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def train(nproc: int, dump_dir: Path, *overrides: str, cwd: Path | None = None, timeout: float = 300,
-          fault: str | None = None, max_restarts: int = 0):
+          fault: str | None = None, max_restarts: int = 0, standalone: bool = True):
     """Launch train.py (with `fault`: through faulty_train.py) and wait; returns the CompletedProcess."""
-    return subprocess.run(command(nproc, dump_dir, *overrides, fault=fault, max_restarts=max_restarts),
+    return subprocess.run(command(nproc, dump_dir, *overrides, fault=fault, max_restarts=max_restarts,
+                                  standalone=standalone),
                           cwd=cwd or REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 

@@ -170,6 +170,12 @@ def test_nothing_written_is_ever_cut(tmp_path, checkpointed):
     before = (dump / "metrics.jsonl").read_text()
     assert_one_error(train(0, dump, *FAST, "steps=4", timeout=60), "already holds metrics.jsonl", "steps 1-2")
     assert (dump / "metrics.jsonl").read_text() == before
+    # So is a static torchrun's, although every such launch gets the rendezvous id "none".
+    dump = tmp_path / "static"
+    train_ok(1, dump, *FAST, "steps=2", standalone=False)
+    before = (dump / "metrics.jsonl").read_text()
+    assert_one_error(train(1, dump, *FAST, "steps=4", timeout=60, standalone=False), "already holds metrics.jsonl")
+    assert (dump / "metrics.jsonl").read_text() == before
     # steps below the newest checkpoint would train nothing and drop the later records.
     dump = _copy(checkpointed, tmp_path)
     before = (dump / "metrics.jsonl").read_text()

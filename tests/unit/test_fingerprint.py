@@ -80,3 +80,14 @@ def test_a_checkpoint_older_than_the_data_sample_is_checked_by_the_rest(tmp_path
         check_resumable(saved, _fingerprint() | {"data": "e" * 16}, allowed=[])
     with pytest.raises(ConfigError, match="data_sample 'ssssssssssssssss' -> 'tttttttttttttttt'"):
         check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint() | {"data_sample": "t" * 16}, allowed=[])
+
+
+def test_eval_steps_is_what_eval_loss_averages(tmp_path):
+    """Another eval.steps gives eval_loss over another held-out subset: refused unless allowed; a
+    checkpoint older than the key is not compared on it."""
+    saved = _saved(tmp_path, _fingerprint())
+    fewer = _fingerprint() | {"eval.steps": 1}
+    with pytest.raises(ConfigError, match=r"eval.steps 4 -> 1 \(eval_loss averages .* resume.allow_changed=\[eval.steps\]"):
+        check_resumable(saved, fewer, allowed=[])
+    check_resumable(saved, fewer, allowed=["eval.steps"])
+    check_resumable(_saved(tmp_path, _fingerprint(), drop=("eval.steps",)), fewer, allowed=[])
