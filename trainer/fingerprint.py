@@ -81,13 +81,18 @@ def _hash_blocks(path: Path, num_tokens: int, blocks: list[tuple[int, int]]) -> 
     return digest.hexdigest()[:16]
 
 
-def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,
-                    data: dict[str, str]) -> dict[str, Any]:
+def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) -> dict[str, Any]:
+    """The part of the fingerprint known before the data is prepared."""
     return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | {
         "compute_dtype": compute_dtype,
         "optim.decay_steps": cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps,
-        "global_batch_size": global_batch, "tokenizer": tokenizer_sha256[:16], **data,
+        "global_batch_size": global_batch,
     }
+
+
+def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,
+                    data: dict[str, str]) -> dict[str, Any]:
+    return config_fingerprint(cfg, compute_dtype, global_batch) | {"tokenizer": tokenizer_sha256[:16], **data}
 
 
 def write_fingerprint(folder: Path, fingerprint: dict[str, Any]) -> Path:

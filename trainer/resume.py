@@ -1,6 +1,7 @@
 """Resume: continue the newest complete checkpoint of the dump_dir, and only if that continues the
 same run (trainer/fingerprint.py), with a step count that does not end before it."""
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,10 +11,37 @@ from parallel.errors import ConfigError
 from parallel.random import RNGStreams
 from trainer.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
-from trainer.fingerprint import check_resumable
+from trainer.fingerprint import FINGERPRINT_FILE, check_resumable
 from trainer.metrics import check_history
 from trainer.sampler import GlobalBatchSampler
 from trainer.state import load_into
+
+
+def refuse_a_changed_run_early(cfg: TrainConfig, config_fingerprint: dict) -> None:
+    """Before the data is prepared (hours for a new corpus): the refusals resume() would give on the
+    steps and the config keys of the fingerprint, from the newest checkpoint's fingerprint.json alone.
+    A checkpoint too damaged to read is left to resume(), which verifies it and names the remedy."""
+    path = latest_checkpoint(Path(cfg.dump_dir) / "checkpoints")
+    if path is None or not _readable_json(path / FINGERPRINT_FILE):
+        return
+    _check_steps(cfg, path)
+    check_resumable(path, config_fingerprint, cfg.resume.allow_changed)
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _check_steps(cfg: TrainConfig, path: Path) -> None:
+    if checkpoint_step(path) > cfg.steps:
+        raise ConfigError(
+            f"steps={cfg.steps} ends before the newest checkpoint ({path}, step {checkpoint_step(path)}); "
+            "resuming would train nothing; raise steps, or use a new dump_dir"
+        )
 
 
 def resume(
@@ -36,11 +64,7 @@ def resume(
                 raise
             raise CheckpointError(f"{e}; to resume from the previous complete checkpoint {previous.name}, move "
                                   f"{path.name} out of {path.parent} (keep it: it may be repairable)")
-        if checkpoint_step(path) > cfg.steps:
-            raise ConfigError(
-                f"steps={cfg.steps} ends before the newest checkpoint ({path}, step {checkpoint_step(path)}); "
-                "resuming would train nothing; raise steps, or use a new dump_dir"
-            )
+        _check_steps(cfg, path)
         check_resumable(path, fingerprint, cfg.resume.allow_changed)
         step = load_into(path, state(), rng, sampler, group)
         log(f"resumed from {path} (step {step})")

@@ -26,7 +26,9 @@ from trainer.config import TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import own_dump_dir
-from trainer.fingerprint import FINGERPRINT_FILE, data_fingerprint, run_fingerprint, write_fingerprint
+from trainer.fingerprint import (
+    FINGERPRINT_FILE, config_fingerprint, data_fingerprint, run_fingerprint, write_fingerprint,
+)
 from trainer.hf_import import import_hf, run_tokenizer
 from trainer.flops import device_peak_flops, training_flops_per_token
 from trainer.loop import Trainer
@@ -40,7 +42,7 @@ from trainer.parallelize import (
 )
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
-from trainer.resume import resume
+from trainer.resume import refuse_a_changed_run_early, resume
 from trainer.state import checkpoint_state
 from trainer.tensorboard import TensorBoardLog
 from trainer.token_shards import TOKENS_FILE, file_sha256
@@ -126,13 +128,15 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
 def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path,
               stop_request: StopRequest) -> None:
     log = partial(log0, launch.rank)
+    dtype_name = DTYPE_NAMES[compute_dtype(cfg, device)]
+    refuse_a_changed_run_early(cfg, config_fingerprint(cfg, dtype_name, cfg.batch_size * mesh.dims.dp))
     tokenizer, loader, eval_loader = _build_data(cfg, mesh, launch.rank, log)
     trainer = build_trainer(cfg, mesh, loader, device, eval_loader)
     rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
     state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler,
                     rank=launch.rank, pp=mesh.dims.pp)
     fingerprint = run_fingerprint(
-        cfg, DTYPE_NAMES[compute_dtype(cfg, device)], loader.sampler.global_batch_size,
+        cfg, dtype_name, loader.sampler.global_batch_size,
         file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),
     )
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,

@@ -130,11 +130,14 @@ def _other_tokenizer(tmp_path: Path) -> Path:
     (("compute_dtype=bf16",), ("compute_dtype 'fp32' -> 'bf16'",)),
 ])
 def test_resume_refuses_a_changed_run_naming_the_keys(tmp_path, checkpointed, overrides, fragments):
+    """Before any data preparation: here an empty cache, which would first train a tokenizer."""
     dump = _copy(checkpointed, tmp_path)
     before = (dump / "metrics.jsonl").read_text()
-    proc = train(0, dump, *FAST, "steps=8", "optim.decay_steps=8", *overrides, timeout=120)
+    proc = train(0, dump, *FAST, "steps=8", "optim.decay_steps=8", *overrides, f"data.cache_dir={tmp_path / 'cache'}",
+                 timeout=120)
     assert_one_error(proc, "would change the run", *fragments)
     assert (dump / "metrics.jsonl").read_text() == before
+    assert "data: preparing" not in proc.stderr and not (tmp_path / "cache").exists()
 
 
 def test_resume_refuses_another_tokenizer_of_the_same_size(tmp_path, checkpointed):
