@@ -134,7 +134,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     trainer = build_trainer(cfg, mesh, loader, device, eval_loader)
     rng = RNGStreams(cfg.seed, trainer.chunks[0].tp.rank, device)
     state = partial(checkpoint_state, trainer.roots, trainer.optimizer, rng, loader.sampler,
-                    rank=launch.rank, pp=mesh.dims.pp)
+                    rank=launch.rank, layout=mesh.dims)
     fingerprint = run_fingerprint(
         cfg, dtype_name, loader.sampler.global_batch_size,
         file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),

@@ -16,6 +16,7 @@ from model.transformer import Transformer
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import BoxedParameter, boxed_parameters
 from parallel.fsdp.unit import FSDPUnit
+from parallel.mesh import ParallelDims
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import TPContext
 from trainer.checkpoint import CheckpointError, checkpoint_keys, load_checkpoint
@@ -24,9 +25,10 @@ from trainer.optimizer import ADAM_STATE, NamedAdamW
 from trainer.sampler import GlobalBatchSampler
 
 
-def rng_key(rank: int, world: int, tp: int, pp: int) -> str:
+def rng_key(rank: int, layout: ParallelDims) -> str:
     """RNG streams belong to a rank of one layout: another layout must not inherit them."""
-    return f"rank{rank}_of_{world}_tp{tp}_pp{pp}"
+    return (f"rank{rank}_of_{layout.world_size}_tp{layout.tp}_pp{layout.pp}_cp{layout.cp}"
+            f"_dpr{layout.dp_replicate}")
 
 
 def _boxed(unit: FSDPUnit, local: torch.Tensor) -> dict[str, BoxedParameter]:
@@ -35,7 +37,7 @@ def _boxed(unit: FSDPUnit, local: torch.Tensor) -> dict[str, BoxedParameter]:
 
 def checkpoint_state(
     roots: list[FSDPRoot], optimizer: NamedAdamW, rng: RNGStreams, sampler: GlobalBatchSampler, step: int,
-    rank: int, pp: int,
+    rank: int, layout: ParallelDims,
 ) -> dict:
     """Views of the live tensors: saving reads them, loading (dcp.load) writes into them in place.
     Parameters and units are keyed by their names in the whole model, so each pipeline stage saves and
@@ -56,7 +58,7 @@ def checkpoint_state(
         "optim": moments | {f"{u.name}.step": opt_state[f"{u.name}.flat_param"]["step"] for u in units},
         "trainer": {"step": torch.tensor(step, dtype=torch.int64)}
         | {k: torch.tensor(v, dtype=torch.int64) for k, v in sampler.state_dict().items()},
-        "rng": {rng_key(rank, torch.distributed.get_world_size(), roots[0].units[0].tp.size, pp): rng.state()},
+        "rng": {rng_key(rank, layout): rng.state()},
     }
 
 

@@ -56,7 +56,7 @@ class _FixedSampler:
 
 def _state(trainer: Trainer, rank: int, step: int) -> dict:
     rng = RNGStreams(0, trainer.chunks[0].tp.rank, torch.device("cpu"))
-    return checkpoint_state(trainer.roots, trainer.optimizer, rng, _FixedSampler(), step, rank, pp=1)
+    return checkpoint_state(trainer.roots, trainer.optimizer, rng, _FixedSampler(), step, rank, trainer.mesh.dims)
 
 
 def _te_scaling(trainer: Trainer) -> dict[str, torch.Tensor]:

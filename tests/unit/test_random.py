@@ -42,3 +42,14 @@ def test_state_round_trip_resumes_both_streams():
     assert torch.equal(torch.rand(2), expected_shared)
     with restored.tp_region():
         assert torch.equal(torch.rand(2), expected_tp)
+
+
+def test_each_layout_of_a_world_keys_its_own_streams():
+    """Same world, tp and pp, but another cp or replica count: another layout, whose ranks must not
+    inherit these streams on a resume."""
+    from parallel.mesh import ParallelDims
+    from trainer.state import rng_key
+
+    layouts = [ParallelDims.from_sizes(8, 2, 2, 1, 1), ParallelDims.from_sizes(8, 2, 2, 2, 1),
+               ParallelDims.from_sizes(8, 2, 2, 1, 2)]
+    assert len({rng_key(3, layout) for layout in layouts}) == 3
