@@ -1,4 +1,5 @@
-"""Compare two runs step by step: losses, grad norms and eval losses, in ulps and relative terms, with
+"""Compare two runs step by step: losses, grad norms and eval losses, in ulps (of float32 where both
+values are float32s, as grad norms are; else of float64) and relative terms, with
 one verdict.
 
     python scripts/compare_runs.py DUMP_A DUMP_B [--rtol R] [--plot out.png] [--brief]
@@ -39,12 +40,26 @@ def read_metrics(dump_dir: Path) -> dict[int, dict]:
     return by_step
 
 
-def ulps(a: float, b: float) -> int:
-    """How many doubles lie between a and b (0: bitwise equal)."""
+_FORMATS = {64: ("<q", "<d", 0x7FFFFFFFFFFFFFFF), 32: ("<i", "<f", 0x7FFFFFFF)}
+
+
+def ulps(a: float, b: float, bits: int = 64) -> int:
+    """How many floats of `bits` (64 or 32) lie between a and b (0: bitwise equal)."""
+    as_int, as_float, magnitude = _FORMATS[bits]
+
     def ordered(x: float) -> int:
-        bits = struct.unpack("<q", struct.pack("<d", x))[0]
-        return bits if bits >= 0 else -(bits & 0x7FFFFFFFFFFFFFFF)
+        i = struct.unpack(as_int, struct.pack(as_float, x))[0]
+        return i if i >= 0 else -(i & magnitude)
     return abs(ordered(a) - ordered(b))
+
+
+def precision(*values: float) -> int:
+    """32 when every value is a float32 (a grad norm computed in fp32), else 64: ulps are counted in
+    the precision the values were computed in, where one rounding is one ulp."""
+    try:
+        return 32 if all(struct.unpack("<f", struct.pack("<f", v))[0] == v for v in values) else 64
+    except OverflowError:
+        return 64
 
 
 def is_finite_number(x: object) -> bool:
@@ -63,9 +78,10 @@ def rel_diff(a: object, b: object) -> float:
 
 def _cell(x: object, y: object, rel: float) -> str:
     if is_finite_number(x) and is_finite_number(y):
-        return f"{x!r:>22} {y!r:>22} {ulps(x, y):>8} ulp {rel:9.2e}"
+        bits = precision(x, y)
+        return f"{x!r:>22} {y!r:>22} {ulps(x, y, bits):>8} ulp{bits} {rel:9.2e}"
     shown = ["absent" if v is ABSENT else "non-finite" if v is None else repr(v) for v in (x, y)]
-    return f"{shown[0]:>22} {shown[1]:>22} {'':>12} {rel:9.2e}"
+    return f"{shown[0]:>22} {shown[1]:>22} {'':>14} {rel:9.2e}"
 
 
 def compare(a: dict[int, dict], b: dict[int, dict], rtol: float) -> tuple[list[str], str, bool]:
@@ -77,7 +93,7 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float) -> tuple[list[s
         for field in FIELDS:
             x, y = a[step].get(field, ABSENT), b[step].get(field, ABSENT)
             if x is ABSENT and y is ABSENT:
-                cells.append(f"{'':>22} {'':>22} {'':>12} {'':>9}")
+                cells.append(f"{'':>22} {'':>22} {'':>14} {'':>9}")
                 continue
             rel = rel_diff(x, y)
             worst = max(worst, (rel, step, field), key=lambda w: w[0])
@@ -93,8 +109,8 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float) -> tuple[list[s
         verdict = f"values differ in kind at step {worst[1]} ({worst[2]}: missing or non-finite in one run)"
     else:
         verdict = f"max rel diff {worst[0]:.3e} at step {worst[1]} ({worst[2]})"
-    if only:
-        verdict += f"; steps logged by one run only: {only[:10]}"
+    if only:  # a difference, whatever the common steps show: said first
+        verdict = f"steps logged by one run only: {only[:10]}; the common steps: {verdict}"
     return rows, verdict, agree
 
 
@@ -147,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.brief:
         print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")
     else:
-        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>12} {'rel':>9}" for f in FIELDS))
+        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>14} {'rel':>9}" for f in FIELDS))
         print("\n".join(rows))
         print(verdict)
     if opts.plot:

@@ -6,16 +6,21 @@ Communication shows up as named ranges ("all_gather dp_shard layers.3", "send_re
 -> r2", "wait recv ..."), pipeline compute as "r1 F c0 m3" (parallel/comm.py, the pipeline runtime).
 """
 
+import re
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config import TrainConfig
 
 TOP_OPERATORS = 15
+# Python frames, recorded with profile_with_stack on every thread: an idle one (the dump_dir lock's
+# heartbeat waiting on its event) would top a table of operators.
+_PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
 
 
 class StepProfiler:
@@ -50,5 +55,6 @@ class _ProfiledStep:
             folder.mkdir(parents=True, exist_ok=True)
             self.prof.export_chrome_trace(str(folder / f"rank{owner.rank}.json"))
         elif owner.rank == 0:
-            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_OPERATORS)
+            operators = EventList([a for a in self.prof.key_averages() if not _PYTHON_FRAME.search(a.key)])
+            table = operators.table(sort_by="self_cpu_time_total", row_limit=TOP_OPERATORS)
             print(f"profile of step {self.step} (rank 0):\n{table}", file=sys.stderr, flush=True)

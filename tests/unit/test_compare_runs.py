@@ -42,13 +42,25 @@ def test_steps_logged_by_one_run_only_are_a_difference(tmp_path, capsys):
     a = _dump(tmp_path / "a", [6.9, 6.1, 5.4])
     b = _dump(tmp_path / "b", [6.9, 6.1])
     assert compare_runs.main([str(a), str(b), "--brief"]) == 1
-    assert "steps logged by one run only: [3]" in capsys.readouterr().out
+    verdict = capsys.readouterr().out  # the difference first, not a "bitwise equal" that reads as a pass
+    assert verdict.startswith("steps logged by one run only: [3]; the common steps: bitwise equal over 2 steps")
 
 
 def test_ulps_across_zero_and_signs():
     assert compare_runs.ulps(0.0, -0.0) == 0
     assert compare_runs.ulps(-1.0, math.nextafter(-1.0, 0.0)) == 1
     assert compare_runs.ulps(math.nextafter(0.0, -1.0), math.nextafter(0.0, 1.0)) == 2
+
+
+def test_a_float32_value_differs_by_float32_ulps(tmp_path, capsys):
+    """A grad norm is an fp32 result: one float32 rounding apart is 1 ulp, not 2^29 double ulps."""
+    norm, next_norm = 0.5401780605316162, 0.540178120136261  # adjacent float32s, as logged
+    assert compare_runs.precision(norm, next_norm) == 32 and compare_runs.precision(norm, 0.1) == 64
+    assert compare_runs.ulps(norm, next_norm, 32) == 1 and compare_runs.ulps(norm, next_norm) == 1 << 29
+    a = _write(tmp_path / "a", [{"step": 1, "loss": 6.9, "grad_norm": norm}])
+    b = _write(tmp_path / "b", [{"step": 1, "loss": 6.9, "grad_norm": next_norm}])
+    assert compare_runs.main([str(a), str(b)]) == 1
+    assert "       1 ulp32" in capsys.readouterr().out
 
 
 def test_plot_metrics_draws_several_runs(tmp_path):
