@@ -150,6 +150,17 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
+def file_is_intact(path: Path, name: str) -> bool:
+    """Whether checkpoint file `name` has the size and sha256 its manifest lists (one small file,
+    read before the whole checkpoint is verified)."""
+    try:
+        entry = json.loads((path / MANIFEST).read_text())["files"][name]
+        file = path / name
+        return file.stat().st_size == entry["size"] and _sha256(file) == entry["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def verify_checkpoint(path: Path, group: ProcessGroup, rank: int, world: int, checksums: bool) -> None:
     """Raise CheckpointError on every rank if any file is missing, truncated or (with checksums) altered."""
     problem = checkpoint_files_problem(path, rank, world, checksums)

@@ -1,7 +1,6 @@
 """Resume: continue the newest complete checkpoint of the dump_dir, and only if that continues the
 same run (trainer/fingerprint.py), with a step count that does not end before it."""
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import torch.distributed as dist
 
 from parallel.errors import ConfigError
 from parallel.random import RNGStreams
-from trainer.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, verify_checkpoint
+from trainer.checkpoint import CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint, verify_checkpoint
 from trainer.config import TrainConfig
 from trainer.fingerprint import FINGERPRINT_FILE, check_resumable
 from trainer.metrics import check_history
@@ -20,20 +19,13 @@ from trainer.state import load_into
 def refuse_a_changed_run_early(cfg: TrainConfig, config_fingerprint: dict) -> None:
     """Before the data is prepared (hours for a new corpus): the refusals resume() would give on the
     steps and the config keys of the fingerprint, from the newest checkpoint's fingerprint.json alone.
-    A checkpoint too damaged to read is left to resume(), which verifies it and names the remedy."""
+    A fingerprint.json that does not match its manifest (a flipped bit could read as a changed key)
+    is left to resume(), which verifies the checkpoint and names the remedy."""
     path = latest_checkpoint(Path(cfg.dump_dir) / "checkpoints")
-    if path is None or not _readable_json(path / FINGERPRINT_FILE):
+    if path is None or not file_is_intact(path, FINGERPRINT_FILE):
         return
     _check_steps(cfg, path)
     check_resumable(path, config_fingerprint, cfg.resume.allow_changed)
-
-
-def _readable_json(path: Path) -> bool:
-    try:
-        json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def _check_steps(cfg: TrainConfig, path: Path) -> None:

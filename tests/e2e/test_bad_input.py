@@ -54,8 +54,11 @@ def _digests(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("damage, fragment", [("truncate", "is truncated"), ("flip", "is corrupt")])
+@pytest.mark.parametrize("damage, fragment", [("truncate", "is truncated"), ("flip", "is corrupt"),
+                                              ("fingerprint", "fingerprint.json fails its sha256 check")])
 def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run, damage, fragment):
+    """Named as damage, never as a changed run: a fingerprint.json altered in place (still valid JSON)
+    must not read as another seed."""
     dump = tmp_path / "dump"
     shutil.copytree(checkpointed_run, dump)
     step_dir = dump / "checkpoints" / "step_2"
@@ -63,11 +66,14 @@ def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         shard.write_bytes(data[: len(data) // 2])
-    else:
+    elif damage == "flip":
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(data)
+    else:
+        fingerprint = step_dir / "fingerprint.json"
+        fingerprint.write_text(fingerprint.read_text().replace('"seed": 0', '"seed": 1'))
     before = _digests(step_dir)
-    proc = train(0, dump, *FAST, "steps=4", "checkpoint.freq=2", timeout=60)
+    proc = train(0, dump, *FAST, "steps=2", "checkpoint.freq=2", timeout=60)  # the config of the run saved
     assert_one_error(proc, "checkpoint", str(step_dir), fragment)
     assert _digests(step_dir) == before
     assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == ["step_2"]
