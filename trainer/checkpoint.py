@@ -155,8 +155,7 @@ def file_is_intact(path: Path, name: str) -> bool:
     read before the whole checkpoint is verified)."""
     try:
         entry = json.loads((path / MANIFEST).read_text())["files"][name]
-        file = path / name
-        return file.stat().st_size == entry["size"] and _sha256(file) == entry["sha256"]
+        return _file_problem(path, name, entry, checksum=True) is None
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -181,13 +180,21 @@ def checkpoint_files_problem(path: Path, rank: int, world: int, checksums: bool)
 def _files_problem(path: Path, rank: int, world: int, checksums: bool) -> str | None:
     files = json.loads((path / MANIFEST).read_text())["files"]
     for i, (name, entry) in enumerate(sorted(files.items())):
-        file = path / name
-        if not file.is_file():
-            return f"checkpoint {path} is missing {name}"
-        if file.stat().st_size != entry["size"]:
-            return f"checkpoint {path} is truncated: {name} has {file.stat().st_size} bytes, expected {entry['size']}"
-        if checksums and i % world == rank and _sha256(file) != entry["sha256"]:
-            return f"checkpoint {path} is corrupt: {name} fails its sha256 check"
+        problem = _file_problem(path, name, entry, checksum=checksums and i % world == rank)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _file_problem(path: Path, name: str, entry: dict, checksum: bool) -> str | None:
+    """What is wrong with one file of checkpoint `path` against its manifest entry, or None."""
+    file = path / name
+    if not file.is_file():
+        return f"checkpoint {path} is missing {name}"
+    if file.stat().st_size != entry["size"]:
+        return f"checkpoint {path} is truncated: {name} has {file.stat().st_size} bytes, expected {entry['size']}"
+    if checksum and _sha256(file) != entry["sha256"]:
+        return f"checkpoint {path} is corrupt: {name} fails its sha256 check"
     return None
 
 

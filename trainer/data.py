@@ -26,7 +26,7 @@ from trainer.token_shards import (
     sources_fingerprint,
     write_packed_tokens,
 )
-from trainer.tokenizer import TEXT_CHECK_BYTES, Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
+from trainer.tokenizer import Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
@@ -70,9 +70,7 @@ def _check_text_file(path: Path, source: str) -> None:
     filtered by suffix here and checked as the main rank reads them (tokenizer.iter_documents)."""
     if path.suffix not in SOURCE_SUFFIXES:
         raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
-    with path.open("rb") as f:
-        head = f.read(TEXT_CHECK_BYTES)
-        reason = not_text_reason(head, whole_file=not f.read(1))
+    reason = not_text_reason(path)
     if reason is not None:
         raise ConfigError(f"data.source={source} {reason}")
 

@@ -39,14 +39,14 @@ class StopOnSignal:
     def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
                  is_writer: bool):
         """With `request.name` None: never stops, and no all-reduce."""
-        self.request, self.name, self.group, self.device = request, request.name, group, device
+        self.request, self.group, self.device = request, group, device
         self.marker = dump_dir / STOPPED_FILE
         if is_writer:
             self.marker.unlink(missing_ok=True)
 
     def agreed(self) -> bool:
         """After a step, on every rank: did any rank get the signal? (One small all-reduce when enabled.)"""
-        if self.name is None:
+        if self.request.name is None:
             return False
         flag = torch.tensor([float(self.request.received)], device=self.device)
         if comm.size_of(self.group) > 1:
@@ -54,4 +54,4 @@ class StopOnSignal:
         return bool(flag.item())
 
     def record(self, step: int) -> None:
-        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.name}"}))
+        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.request.name}"}))

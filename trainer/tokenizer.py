@@ -65,10 +65,13 @@ class Tokenizer:
 TEXT_CHECK_BYTES = 1 << 20  # how much of each source file must be UTF-8 text
 
 
-def not_text_reason(head: bytes, whole_file: bool) -> str | None:
-    """Why a file whose first bytes are `head` is not UTF-8 text, or None. Checked on the head only:
-    a file in another encoding (UTF-16, Latin-1) or a binary one shows there, while a stray bad byte
-    further on is replaced when read rather than fatal."""
+def not_text_reason(path: Path) -> str | None:
+    """Why `path` is not UTF-8 text, or None. Checked on its first TEXT_CHECK_BYTES only: a file in
+    another encoding (UTF-16, Latin-1) or a binary one shows there, while a stray bad byte further on
+    is replaced when read rather than fatal."""
+    with path.open("rb") as f:
+        head = f.read(TEXT_CHECK_BYTES)
+        whole_file = not f.read(1)
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -81,9 +84,7 @@ def not_text_reason(head: bytes, whole_file: bool) -> str | None:
 
 def iter_documents(path: Path) -> Iterator[str]:
     """Yields the documents of one file: each line's "text" for .jsonl, else the whole file."""
-    with path.open("rb") as f:
-        head = f.read(TEXT_CHECK_BYTES)
-        reason = not_text_reason(head, whole_file=not f.read(1))
+    reason = not_text_reason(path)
     if reason is not None:
         raise ConfigError(f"data.source file {path} {reason}")
     if path.suffix != ".jsonl":

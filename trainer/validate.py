@@ -151,10 +151,7 @@ def _check_fp8(cfg: TrainConfig) -> None:
         _check_te_combinations(cfg)
         _check_transformer_engine(cfg)
     if not m.use_fp8:
-        for key in FP8_KEYS:
-            if get_key(cfg, key) != get_key(_DEFAULTS, key):
-                raise ConfigError(f"{key}={get_key(cfg, key)} needs model.use_fp8=true (it changes fp8 GEMMs only)")
-        return
+        return  # the fp8 keys need it: _NEEDS
     for what, size in fp8_gemm_sizes(cfg):
         if size % GEMM_MULTIPLE:
             raise ConfigError(
@@ -166,6 +163,7 @@ def _check_fp8(cfg: TrainConfig) -> None:
 # Keys that change nothing unless another key allows it: set away from the default without it, they
 # would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
 _NEEDS = (
+    *((key, "model.use_fp8=true (it changes fp8 GEMMs only)", lambda c: c.model.use_fp8) for key in FP8_KEYS),
     ("context_parallel_comm", "context_parallel_size > 1", lambda c: c.context_parallel_size > 1),
     ("model.sequence_parallel", "model_parallel_size > 1", lambda c: c.model_parallel_size > 1),
     ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)",
