@@ -175,10 +175,12 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             step_time_s=elapsed,
             tflops=flops_per_device / 1e12,
-            tflops_compute=flops_per_device * elapsed / computing_s / 1e12,
+            # elapsed / computing_s >= 1 exactly, so the computing rate is never below the end-to-end one
+            # by a rounding (a different order of operations could make it one ulp smaller).
+            tflops_compute=flops_per_device / 1e12 * (elapsed / computing_s),
             comm_wait_s=wait_s,
             mfu=None if self.peak_flops is None else flops_per_device / self.peak_flops,
-            mfu_compute=None if self.peak_flops is None else flops_per_device * elapsed / computing_s / self.peak_flops,
+            mfu_compute=None if self.peak_flops is None else flops_per_device / self.peak_flops * (elapsed / computing_s),
             mem_peak_gib=peak_memory_gib(self.device),
             comm=comm.LEDGER.by_op(),
             # Steps that made no update (nan_policy=skip), counted from the optimizer's own step count,

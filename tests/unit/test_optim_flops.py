@@ -84,6 +84,9 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
     assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
     assert m.tflops_compute == pytest.approx(m.tflops / 0.75) and m.tflops_compute >= m.tflops
     assert m.comm_wait_s == 0.25
+    for elapsed in (0.0123456789, 0.3, 1.7, 2.9e-3):  # no wait: the same number, not one ulp below
+        m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=elapsed)
+        assert m.tflops_compute == m.tflops and m.comm_wait_s == 0
 
 
 def test_adamw_is_torch_adamw_bitwise():
