@@ -9,16 +9,7 @@ resuming only needs the step number.
 import numpy as np
 
 from parallel.errors import ConfigError
-
-
-def epoch_permutation(num_sequences: int, seed: int, epoch: int) -> np.ndarray:
-    """A permutation of range(num_sequences) that is stable across numpy versions.
-
-    Generator.permutation may change between numpy releases; the PCG64 bit stream may not. So the
-    permutation is the stable argsort of raw 64-bit draws seeded by (seed, epoch).
-    """
-    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_sequences)
-    return np.argsort(keys, kind="stable")
+from trainer.shuffle import RandomPermutation
 
 
 class GlobalBatchSampler:
@@ -38,9 +29,6 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.steps_per_epoch = num_sequences // global_batch_size
-        # One epoch's permutation is reused by all its steps; recomputing it per step would be O(N).
-        self._cached_epoch = -1
-        self._cached_permutation = np.empty(0, dtype=np.int64)
 
     def global_indices(self, step: int) -> np.ndarray:
         """Sequence indices of optimizer step `step` (0-based), in global-batch order."""
@@ -48,7 +36,8 @@ class GlobalBatchSampler:
             raise ValueError(f"step={step} must be >= 0")
         epoch, position = divmod(step, self.steps_per_epoch)
         start = position * self.global_batch_size
-        return self._permutation(epoch)[start : start + self.global_batch_size].copy()
+        positions = np.arange(start, start + self.global_batch_size, dtype=np.int64)
+        return RandomPermutation(self.num_sequences, self.seed, epoch)[positions]
 
     def rank_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """The contiguous slice of step `step`'s global batch that data-parallel rank `dp_rank` trains on."""
@@ -70,12 +59,6 @@ class GlobalBatchSampler:
                     f"{hint}: the checkpoint was written with {key}={state[key]}, "
                     f"now {key}={getattr(self, key)}; resuming would change the data order"
                 )
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._cached_epoch:
-            self._cached_permutation = epoch_permutation(self.num_sequences, self.seed, epoch)
-            self._cached_epoch = epoch
-        return self._cached_permutation
 
 
 class HeldOutSampler:
