@@ -70,8 +70,11 @@ def amax_is_valid(amax: torch.Tensor) -> torch.Tensor:
 
 
 def recipe_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, fallback: torch.Tensor) -> torch.Tensor:
-    """fp8_max / amax / 2^margin; `fallback` where the amax is zero or non-finite."""
-    return torch.where(amax_is_valid(amax), fp8_max / amax / 2.0**margin, fallback)
+    """fp8_max / amax / 2^margin; `fallback` where the amax is zero or non-finite. An amax below ~1e-34
+    makes the quotient overflow: as TransformerEngine does, it becomes float32's largest value, whose
+    inverse still dequantizes (an inf scale would turn every product into 0 or NaN)."""
+    scale = (fp8_max / amax / 2.0**margin).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(amax_is_valid(amax), scale, fallback)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -220,9 +220,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add zero loss and zero gradient
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocab-sharded logits without gathering them: max, sum-exp and the target
-    logit are reduced over TP; the backward (softmax - onehot) is purely local."""
+    logit are reduced over TP; the backward (softmax - onehot) is purely local. Behaves as
+    F.cross_entropy at tp=1: IGNORE_INDEX targets give 0, and a target no rank owns (out of the vocab)
+    gives NaN, which halts training, where tp=1 raises."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start):
@@ -235,26 +240,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
-        sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        sums = torch.stack([exp.sum(dim=-1), target_logit, (~outside).to(exp.dtype)])  # one all-reduce
         comm.all_reduce(sums, group)
-        sum_exp, target_logit = sums[0], sums[1]
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
-        return sum_exp.log() - target_logit
+        sum_exp, target_logit, owners = sums[0], sums[1], sums[2]
+        ignored = targets == IGNORE_INDEX
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside, ignored)
+        loss = (sum_exp.log() - target_logit).masked_fill(owners == 0, float("nan"))
+        return loss.masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local, outside = ctx.saved_tensors
+        softmax, local, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()
         rows = grad.view(-1, grad.shape[-1])
         # Indexed write with one index per row: deterministic on CUDA, unlike a 2-D scatter_add_.
         rows[torch.arange(rows.shape[0], device=rows.device), local.view(-1)] -= (~outside).view(-1).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+        return grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Per-token loss from [..., V/tp] logits and [...] global target ids, numerically stable."""
     if tp.size == 1:
         flat = logits.float().flatten(0, -2)
-        return nn.functional.cross_entropy(flat, targets.flatten(), reduction="none").view(targets.shape)
+        return nn.functional.cross_entropy(
+            flat, targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+        ).view(targets.shape)
     vocab_start = tp.rank * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, targets, tp.group, vocab_start)

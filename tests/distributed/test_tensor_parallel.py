@@ -64,6 +64,25 @@ def _check_against_tp1(rank: int, world: int) -> None:
                 assert err <= 1e-5, f"tp={tp_size} sp={sp} {name}: relative grad error {err:.3g}"
 
 
+def _check_ignored_and_unowned_targets(rank: int, world: int) -> None:
+    """tp=2 treats targets as tp=1 does: IGNORE_INDEX adds zero loss and zero gradient; a target outside
+    the vocab, which F.cross_entropy refuses, gives NaN (which halts training) instead of a finite loss."""
+    mesh = ParallelMesh(ParallelDims.from_sizes(world, model_parallel_size=2), "cpu")
+    tp = TPContext(mesh.group("tp"))
+    logits = torch.randn(3, ARGS.vocab_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    local = logits.detach()[:, tp.rank * 32 : (tp.rank + 1) * 32].clone().requires_grad_()
+    targets = torch.tensor([3, -100, 40])
+    ref = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    ref.sum().backward()
+    loss = vocab_parallel_cross_entropy(local, targets, tp)
+    loss.sum().backward()
+    assert torch.allclose(loss, ref, rtol=1e-6) and loss[1] == 0, (loss, ref)
+    assert torch.allclose(local.grad, logits.grad[:, tp.rank * 32 : (tp.rank + 1) * 32], atol=1e-7)
+    assert local.grad[1].abs().sum() == 0
+    unowned = vocab_parallel_cross_entropy(local.detach(), torch.tensor([3, ARGS.vocab_size, 40]), tp)
+    assert unowned[1].isnan() and unowned[[0, 2]].isfinite().all(), unowned
+
+
 def _block_counts(tp: TPContext) -> tuple[dict, dict]:
     """Collectives of one transformer block's forward, then of its backward, on the TP group."""
     model = _model(tp)
@@ -142,6 +161,7 @@ def _all_checks(rank: int, world: int) -> None:
     _check_tp_with_fsdp(rank, world)
     _check_against_tp1(rank, world)
     _check_counts(rank, world)
+    _check_ignored_and_unowned_targets(rank, world)
     _check_activation_memory(rank, world)
 
 

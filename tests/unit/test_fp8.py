@@ -86,6 +86,19 @@ def test_a_scale_is_set_only_by_an_amax_the_recipe_used() -> None:
     assert x.grad.count_nonzero() == x.numel()
 
 
+def test_a_tiny_amax_gives_the_largest_finite_scale() -> None:
+    """A gradient amax of 1e-36 (a dead layer) would give scale 57344 / 1e-36 = inf, and every later
+    gradient would dequantize to 0 (or NaN at exact zeros); as in TransformerEngine it is float32's max."""
+    gemm = Fp8Gemm(Fp8Recipe(amax_history_len=1))
+    gemm.amax_history[0] = torch.tensor([1.0, 0.05, 1e-36])
+    update_scaling([gemm], group=None)
+    assert gemm.scale[GRAD_OUTPUT].item() == torch.finfo(torch.float32).max
+    x, weight, grad_out = operands(1e-3)
+    grad_out[0, 0] = 0.0
+    gemm(x, weight).backward(grad_out)
+    assert torch.isfinite(x.grad).all() and x.grad.count_nonzero() > 0
+
+
 def test_fp8_cast_saturates_instead_of_overflowing() -> None:
     gemm = Fp8Gemm(Fp8Recipe())
     gemm.scale_is_set.fill_(True)
