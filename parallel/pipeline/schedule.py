@@ -8,7 +8,8 @@ Building a schedule has two parts:
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
    backwards) or `interleaved_1f1b` (Megatron's order over groups of pp microbatches, which allows
-   microbatch counts that are not multiples of pp).
+   microbatch counts that are not multiples of pp). As in Megatron, `1f1b` over more than one chunk
+   per rank is the interleaved one: virtual stages alone turn interleaving on.
 2. The point-to-point transfers, placed by list-scheduling the compute orders with unit costs
    (forward 1, backward 2): the transfer of an output finished at time t goes into communication
    batch "t" of both sender and receiver. Every rank's batches are then in increasing t, and each
@@ -54,6 +55,11 @@ class Action:
         return f"{text} {'->' if self.op.startswith('SEND') else '<-'} r{self.peer}"
 
 
+def effective_schedule(schedule: str, vpp: int) -> str:
+    """The schedule a rank runs: `1f1b` with virtual stages is the interleaved 1F1B."""
+    return "interleaved_1f1b" if schedule == "1f1b" and vpp > 1 else schedule
+
+
 def check_layout(schedule: str, pp: int, vpp: int) -> None:
     """Which schedules take virtual stages; one line naming the keys otherwise."""
     if schedule not in SCHEDULES:
@@ -63,16 +69,17 @@ def check_layout(schedule: str, pp: int, vpp: int) -> None:
             f"pipeline_schedule=interleaved_1f1b needs at least 2 virtual stages per rank, got {vpp} (set "
             "num_layers_per_virtual_pipeline_stage so that model.n_layers / (pipeline_parallel_size x it) >= 2)"
         )
-    if schedule != "interleaved_1f1b" and vpp > 1:
+    if schedule == "gpipe" and vpp > 1:
         raise ConfigError(
-            f"pipeline_schedule={schedule} runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
-            f"gives {vpp}; use pipeline_schedule=interleaved_1f1b or unset num_layers_per_virtual_pipeline_stage"
+            f"pipeline_schedule=gpipe runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
+            f"gives {vpp}; use pipeline_schedule=1f1b (interleaved) or unset num_layers_per_virtual_pipeline_stage"
         )
 
 
 def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
     """The forwards and backwards of one rank, in the order the schedule runs them."""
     check_layout(schedule, pp, vpp)
+    schedule = effective_schedule(schedule, vpp)
     if microbatches < 1:
         raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
     if schedule == "interleaved_1f1b":

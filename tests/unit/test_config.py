@@ -38,6 +38,15 @@ def test_every_model_config_is_valid_and_has_the_contract_keys(model):
     validate(cfg, world_size=8)
 
 
+def test_the_product_launch_command_is_valid_on_8_ranks():
+    """tp2 x pp2 x dp2 with two layers per virtual stage: virtual stages alone turn on interleaving."""
+    cfg = load("model=small", "model_parallel_size=2", "pipeline_parallel_size=2",
+               "num_layers_per_virtual_pipeline_stage=2", "batch_size=4", "reshard_after_forward=false",
+               "optimize_backward_concat=true", "enable_deterministic_training=true")
+    validate(cfg, world_size=8)
+    assert cfg.virtual_pipeline_stages == 2
+
+
 def test_llama3_8b_dimensions():
     args = load("model=llama3_8b").model_args()
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden_dim) == (4096, 32, 32, 8, 14336)
@@ -73,8 +82,9 @@ def test_llama3_8b_dimensions():
          "model.n_layers=6 is not divisible by pipeline_parallel_size x num_layers_per_virtual_pipeline_stage=4"),
         (["pipeline_parallel_size=2", "pipeline_schedule=interleaved_1f1b"], 2,
          "pipeline_schedule=interleaved_1f1b needs at least 2 virtual stages per rank, got 1"),
-        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1"], 2,
-         "pipeline_schedule=1f1b runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
+        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
+          "pipeline_schedule=gpipe"], 2,
+         "pipeline_schedule=gpipe runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
         (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
         (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),

@@ -148,9 +148,14 @@ def test_actions_print_as_short_strings():
     assert "r1 SEND_B c0 m0 -> r0" in program
 
 
+def test_1f1b_with_virtual_stages_is_the_interleaved_schedule():
+    """Megatron's reading: num_layers_per_virtual_pipeline_stage alone turns interleaving on."""
+    for pp, vpp, m in [(2, 2, 4), (4, 2, 6), (2, 3, 5)]:
+        assert pipeline_actions("1f1b", pp, vpp, m) == pipeline_actions("interleaved_1f1b", pp, vpp, m)
+
+
 @pytest.mark.parametrize("schedule, pp, vpp, m, message", [
     ("interleaved_1f1b", 2, 1, 4, "needs at least 2 virtual stages"),
-    ("1f1b", 2, 2, 4, "runs one chunk per rank"),
     ("gpipe", 2, 2, 4, "runs one chunk per rank"),
     ("zero_bubble", 2, 1, 4, "pipeline_schedule=zero_bubble is not one of"),
     ("1f1b", 2, 1, 0, "must be >= 1"),
