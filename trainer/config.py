@@ -109,7 +109,7 @@ class TrainConfig:
     dp_replicate: int = 1
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
-    grad_reduce: str = "per_step"
+    grad_reduce: str = "last_microbatch"
     enable_deterministic_training: bool = False
     log_freq: int = 10
     log_all_steps: bool = False
@@ -155,7 +155,7 @@ ENUMS = {
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
     "nan_policy": ("halt", "skip"),
-    "grad_reduce": ("per_step", "per_microbatch"),
+    "grad_reduce": ("last_microbatch", "per_microbatch"),
     "model.fp8_format": ("hybrid", "e4m3"),
     "model.fp8_amax_compute_algo": ("max", "most_recent"),
 }

@@ -86,9 +86,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"stop_signal={cfg.stop_signal} is not one of: {' | '.join(STOP_SIGNALS)} (or null)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
-    if cfg.optimize_backward_concat and cfg.grad_reduce != "per_step":
-        raise ConfigError(f"optimize_backward_concat=true needs grad_reduce=per_step (with grad_reduce={cfg.grad_reduce} "
-                          "every microbatch concatenates its gradient to reduce it)")
+    if cfg.optimize_backward_concat and cfg.grad_reduce != "last_microbatch":
+        raise ConfigError(f"optimize_backward_concat=true needs grad_reduce=last_microbatch (with "
+                          f"grad_reduce={cfg.grad_reduce} every microbatch concatenates its gradient to reduce it)")
     if cfg.seed > SEED_MAX:
         raise ConfigError(f"seed={cfg.seed} must be <= {SEED_MAX} (2^32 - 1, what numpy's generator takes)")
     if cfg.mem_snapshot_stop_step is not None and cfg.mem_snapshot_stop_step > cfg.steps:
@@ -183,8 +183,8 @@ def _check_keys_with_effect(cfg: TrainConfig) -> None:
 def _check_te_combinations(cfg: TrainConfig) -> None:
     """What TransformerEngine blocks cannot be combined with (model/te.py)."""
     m = cfg.model
-    if cfg.grad_reduce != "per_step":
-        raise ConfigError("model.use_te_layers=true needs grad_reduce=per_step: TE accumulates weight gradients "
+    if cfg.grad_reduce != "last_microbatch":
+        raise ConfigError("model.use_te_layers=true needs grad_reduce=last_microbatch: TE accumulates weight gradients "
                           "into FSDP's per-step fp32 accumulator (fuse_wgrad_accumulation)")
     if m.fp8_all_gather:
         raise ConfigError("model.fp8_all_gather=true gathers the in-tree fp8 GEMMs' weights; with "

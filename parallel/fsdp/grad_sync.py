@@ -1,6 +1,6 @@
 """The gradient path of an FSDP unit, as small named steps.
 
-With `grad_reduce=per_step` (the default), non-last microbatches only accumulate into the fp32
+With `grad_reduce=last_microbatch` (the default), non-last microbatches only accumulate into the fp32
 unsharded accumulator and the last one reduces the step's gradient once per unit. With
 `grad_reduce=per_microbatch`, every microbatch reduces its own gradient into an fp32 shard-sized sum
 (M reduce-scatters per unit per step, no unsharded gradient kept between microbatches). A reduction:

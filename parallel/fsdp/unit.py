@@ -72,7 +72,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
     fp8_all_gather: bool = False  # gather the weights of fp8 GEMMs as fp8 (see fp8_gather.py)
-    grad_reduce: str = "per_step"  # or "per_microbatch" (see grad_sync.py)
+    grad_reduce: str = "last_microbatch"  # or "per_microbatch" (see grad_sync.py)
     reductions_in_flight: int = 2  # gradient reductions overlapping the backward; 0: synchronous
 
 
@@ -114,10 +114,10 @@ class FSDPUnit:
         # it (TransformerEngine's fused accumulation): their main_grad is their slice of the accumulator.
         self.main_grad_params = [i for i, p in enumerate(params) if getattr(p, "wgrad_into_main_grad", False)]
         self._main_grad_views: list[torch.Tensor] = []  # bound since the accumulator was last handed over
-        if self.main_grad_params and cfg.grad_reduce != "per_step":
+        if self.main_grad_params and cfg.grad_reduce != "last_microbatch":
             raise ValueError(
                 f"FSDP unit {name}: {name}.{self.spec.names[self.main_grad_params[0]]} accumulates its weight "
-                f"gradient into main_grad, which needs grad_reduce=per_step (with grad_reduce=per_microbatch a "
+                f"gradient into main_grad, which needs grad_reduce=last_microbatch (with grad_reduce=per_microbatch a "
                 f"later microbatch's forward could bind the accumulator an earlier one is reducing)")
         self.flat_param = nn.Parameter(self._initial_shard(init) if init is not None
                                        else shard_of(flatten(params, self.spec), self.spec, self.rank))
@@ -237,7 +237,8 @@ class FSDPUnit:
         concat. Without the option, or when every microbatch reduces its own gradient
         (grad_reduce=per_microbatch), the views are connected on every microbatch.
         """
-        if self.is_first_microbatch or not self.cfg.optimize_backward_concat or self.cfg.grad_reduce != "per_step":
+        cut = self.cfg.optimize_backward_concat and self.cfg.grad_reduce == "last_microbatch"
+        if self.is_first_microbatch or not cut:
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self).views

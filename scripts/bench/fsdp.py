@@ -89,7 +89,7 @@ TORCH_LEDGER = comm.CommLedger()  # FSDP2's collectives, counted by the wrappers
 class Config:
     kind: str  # "ours" | "fsdp2" | "ddp" | "limit" | "comm"
     reshard: bool = False
-    grad_reduce: str = "per_step"  # ours only
+    grad_reduce: str = "last_microbatch"  # ours only
     in_flight: int = 2  # ours only: gradient reductions overlapping the backward
 
     @property
@@ -99,7 +99,7 @@ class Config:
         if self.kind == "comm":
             return "comm alone (ours reshard=True's collectives, no compute)"
         extra = (", sync reductions" if self.in_flight == 0 else "") + \
-            (", per_microbatch" if self.grad_reduce != "per_step" else "")
+            (", per_microbatch" if self.grad_reduce != "last_microbatch" else "")
         return f"{self.kind} reshard={self.reshard}{extra}"
 
 

@@ -40,7 +40,7 @@ def _check(rank: int, world: int) -> None:
     for mesh in (ParallelMesh(ParallelDims.from_sizes(world), "cpu"),
                  ParallelMesh(ParallelDims.from_sizes(world, dp_replicate=2), "cpu")):
         label = f"dp_replicate={mesh.dims.dp_replicate}"
-        step_root, step_losses, step_ledger, step_peaks = _train(mesh, "per_step")
+        step_root, step_losses, step_ledger, step_peaks = _train(mesh, "last_microbatch")
         mb_root, mb_losses, mb_ledger, mb_peaks = _train(mesh, "per_microbatch")
         for got, want in zip(mb_losses, step_losses):
             assert abs(got - want) <= 1e-6 * abs(want), (label, mb_losses, step_losses)
@@ -59,7 +59,7 @@ def _check(rank: int, world: int) -> None:
         assert mb_peaks["held"] <= shard_sized, (mb_peaks, shard_sized)
         assert mb_peaks["in_flight"] <= 2 * max(u.spec.padded * 4 for u in mb_root.units), mb_peaks
         if rank == 0:
-            print(f"{label}: gradient bytes held during backward: per_step {step_peaks['held']}, per_microbatch "
+            print(f"{label}: gradient bytes held during backward: last_microbatch {step_peaks['held']}, per_microbatch "
                   f"{mb_peaks['held']} (+ at most {mb_peaks['in_flight']} in flight); unsharded fp32 {unsharded}")
 
 

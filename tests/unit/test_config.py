@@ -104,7 +104,7 @@ def test_llama3_8b_dimensions():
         (["comm_timeout_s=inf"], 1, "comm_timeout_s=inf must be a finite number"),
         (["checkpoint.init_from_hf="], 1, "checkpoint.init_from_hf is an empty string (use null to leave it unset)"),
         (["optimize_backward_concat=true", "grad_reduce=per_microbatch"], 1,
-         "optimize_backward_concat=true needs grad_reduce=per_step"),
+         "optimize_backward_concat=true needs grad_reduce=last_microbatch"),
         (["seed=4294967296"], 1, "seed=4294967296 must be <= 4294967295"),
         (["steps=3", "mem_snapshot_stop_step=5"], 1, "mem_snapshot_stop_step=5 must be <= steps=3"),
         (["steps=8", "optim.warmup_steps=10", "optim.decay_steps=5"], 1,
@@ -145,7 +145,7 @@ def test_te_layers_without_cuda_say_how_to_get_them():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["grad_reduce=per_microbatch"], "model.use_te_layers=true needs grad_reduce=per_step"),
+    (["grad_reduce=per_microbatch"], "model.use_te_layers=true needs grad_reduce=last_microbatch"),
     (["model.use_fp8=true", "model.fp8_all_gather=true"], "model.fp8_all_gather=true gathers the in-tree"),
     (["model.use_fp8=true", "model.layer_ckpt=full"], "model.layer_ckpt=full with model.use_te_layers=true"),
     (["model.use_fp8=true", "nan_policy=skip"], "nan_policy=skip with model.use_te_layers=true"),
