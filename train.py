@@ -2,9 +2,12 @@
 
 import sys
 import time
+from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import DistBackendError
@@ -17,6 +20,41 @@ from trainer.run import run
 from trainer.validate import validate
 
 RANK0_FIRST_S = 2.0
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
+    """Hydra reports a bad override (an unknown key, a missing config option, broken syntax) in several
+    lines and exits 1 before the trainer runs: compose the config first, so that it is one `error:` line
+    and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps) go to it unchecked."""
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            compose(config_name="config", overrides=overrides)
+    except HydraException as e:
+        exit_on_bad_input(one_line(e), launch, code=2)
+
+
+def one_line(e: HydraException) -> str:
+    lines = [line.strip().rstrip(".") for line in str(e).splitlines()]
+    if isinstance(e, MissingConfigException) and e.options:
+        return f"{lines[0]} (available: {' | '.join(e.options)})"
+    text = "; ".join(line for line in lines if line and not line.startswith("See https://"))
+    if isinstance(e, OverrideParseException) and e.override not in text:
+        text = f"override '{e.override}': {text}"
+    return text
+
+
+def exit_on_bad_input(message: str, launch: LaunchEnv, code: int) -> None:
+    """Every rank sees the same bad input: one line from rank 0, every rank exits `code`. The others
+    leave a moment later: torchrun stops the whole group as soon as one worker exits, which could kill
+    rank 0 before it has printed."""
+    if launch.rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK0_FIRST_S)
+    sys.exit(code)
 
 
 def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
@@ -62,14 +100,8 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
         cfg = from_dict(values)
         run(cfg, launch, validate(cfg, launch.world_size))
     except (ConfigError, FloatingPointError) as e:
-        # Ranks see the same bad input (or the same reduced gradient norm); one line from rank 0 is the
-        # message, every rank exits non-zero. The others leave a moment later: torchrun stops the whole
-        # group as soon as one worker exits, which could kill rank 0 before it has printed.
-        if launch.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(RANK0_FIRST_S)
-        sys.exit(2 if isinstance(e, ConfigError) else 3)
+        # Ranks see the same bad input (or the same reduced gradient norm).
+        exit_on_bad_input(str(e), launch, code=2 if isinstance(e, ConfigError) else 3)
     except KeyboardInterrupt:
         if launch.rank == 0:
             print("interrupted: stopped before the next checkpoint; a restart resumes from the newest one",
@@ -78,4 +110,5 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:], LaunchEnv.from_torchrun())
     main()

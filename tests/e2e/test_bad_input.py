@@ -24,6 +24,9 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("pipeline_parallel_size=4",), ("model.n_layers=2", "pipeline_parallel_size=4")),
         (("eval.freq=2", "eval.steps=100000"), ("eval.steps=100000", "held-out sequences", "data.held_out_fraction")),
         (("pipeline_schedule=interleaved_1f1b",), ("pipeline_schedule=interleaved_1f1b", "2 virtual stages")),
+        (("foo=1",), ("Could not override 'foo'", "+foo=1")),  # hydra's errors are one line too
+        (("model=nope",), ("model/nope", "small | tiny")),
+        (("seq_len",), ("seq_len", "missing EQUAL")),
     ],
 )
 def test_bad_config_one_line(tmp_path, overrides, fragments):
