@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -65,7 +66,8 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return
     if launch.torchrun:
-        raise ConfigError("hydra multirun (-m) cannot run under torchrun: start one torchrun per sweep point")
+        raise ConfigError("hydra multirun (-m) cannot run under torchrun: run `python train.py -m "
+                          "hydra/launcher=torchrun hydra.launcher.nproc_per_node=N ...`, one torchrun per sweep point")
     raw["dump_dir"] = f"{raw['dump_dir']}/{hydra_cfg.job.num}"
 
 
@@ -109,6 +111,18 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
         sys.exit(130)
 
 
+def register_sweep_launchers() -> None:
+    """hydra/launcher=torchrun | torchrun_slurm live in the installed hydra_plugins.llm_trainer, which an
+    editable install hides from hydra's plugin scan. A checkout run without installing the project
+    trains as usual; only those launchers are then unknown to hydra."""
+    try:
+        from hydra_plugins.llm_trainer import TorchrunLauncher
+    except ImportError:
+        return
+    Plugins.instance().register(TorchrunLauncher)
+
+
 if __name__ == "__main__":
+    register_sweep_launchers()
     check_overrides(sys.argv[1:], LaunchEnv.from_torchrun())
     main()

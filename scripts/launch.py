@@ -76,6 +76,18 @@ def wait_for_exit(pid: int) -> int | None:
         time.sleep(0.2)
 
 
+def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None):
+    """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit."""
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=logs, cluster="slurm")
+    executor.update_parameters(
+        nodes=nodes, tasks_per_node=1, gpus_per_node=gpus_per_node or None, timeout_min=timeout_min,
+        slurm_partition=partition, slurm_signal_delay_s=120, name="llm-train",
+    )
+    return executor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=positive_int, default=1)
@@ -93,13 +105,7 @@ def main() -> None:
         argv = torchrun_args(1, nproc, "localhost:29500", f"local-{uuid.uuid4().hex[:8]}", opts.overrides, "dump/local", sys.executable)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv, cwd=REPO).returncode)
-    import submitit
-
-    executor = submitit.AutoExecutor(folder=REPO / opts.logs, cluster="slurm")
-    executor.update_parameters(
-        nodes=opts.nodes, tasks_per_node=1, gpus_per_node=opts.gpus_per_node or None, timeout_min=opts.time,
-        slurm_partition=opts.partition, slurm_signal_delay_s=120, name="llm-train",
-    )
+    executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition)
     job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable))
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",
           flush=True)

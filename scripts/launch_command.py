@@ -29,7 +29,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
     """The config key a hydra override sets (`key=v`, `+key=v`, `++key=v`)."""
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -40,7 +40,7 @@ def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id:
     """argv of torchrun on one node, running train.py with the overrides."""
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1")
-    given = {_key(o) for o in overrides if "=" in o}
+    given = {override_key(o) for o in overrides if "=" in o}
     extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
     extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
     return [
@@ -52,7 +52,7 @@ def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id:
 
 def dump_dir_of(overrides: list[str], default: str) -> str:
     """Where the run writes: the last dump_dir= (or +/++dump_dir=) override, else `default`."""
-    values = [o.split("=", 1)[1] for o in overrides if "=" in o and _key(o) == "dump_dir" and not o.startswith("~")]
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == "dump_dir" and not o.startswith("~")]
     return values[-1] if values else default
 
 

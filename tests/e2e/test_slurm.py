@@ -1,6 +1,7 @@
 """The launchers on a real one-node Slurm cluster (slurmctld, slurmd, munge; installed if missing): the
 batch script trains and the loss falls; a job told to stop with SIGUSR1 checkpoints, requeues itself and
-resumes bitwise; a submitit job does the same on submitit's SIGUSR2. Daemons are stopped by pid."""
+resumes bitwise; a submitit job does the same on submitit's SIGUSR2; a hydra sweep with
+hydra/launcher=torchrun_slurm runs each point as its own job. Daemons are stopped by pid."""
 
 import json
 import subprocess
@@ -117,3 +118,18 @@ def test_submitit_job_stops_on_its_signal_requeues_and_resumes_bitwise(cluster, 
     resumed = losses(metrics(dump))
     assert sorted(resumed) == list(range(1, 61))
     assert resumed == straight
+
+
+def test_hydra_sweep_on_slurm_runs_one_job_per_point(cluster, tmp_path, straight):
+    sweep, logs = tmp_path / "sweep", tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "hydra/launcher=torchrun_slurm", "hydra.launcher.nproc_per_node=2",
+         "hydra.launcher.slurm.timeout_min=5", f"hydra.launcher.slurm.logs={logs}", *TINY, "steps=2",
+         f"dump_dir={sweep}", "seed=0,1"],
+        cwd=REPO, env={**ENV, **cluster.env, **JOB_ENV}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("Slurm job") == 2, proc.stdout
+    first, second = losses(metrics(sweep / "0")), losses(metrics(sweep / "1"))
+    assert sorted(first) == sorted(second) == [1, 2]
+    assert first[1] == straight[1] and second[1] != first[1]  # step 1 depends only on the seed's weights and data

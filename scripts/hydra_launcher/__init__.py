@@ -1,0 +1,94 @@
+"""Hydra launchers that run every point of a sweep (`train.py -m ...`) as its own torchrun job.
+
+    python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=4 seed=1,2,3
+    python train.py -m hydra/launcher=torchrun_slurm hydra.launcher.nodes=2 hydra.launcher.gpus_per_node=8 \
+        hydra.launcher.partition=gpu optim.lr=1e-4,3e-4
+
+Hydra's basic launcher would run each point in-process on one rank, and a sweep under torchrun would
+run every point on every worker through one rendezvous. These build, per point, the same torchrun
+command as every other launcher (`scripts/launch_command.py`) with `dump_dir={sweep dir}/{job number}`,
+and run it here one point after another (`torchrun`) or submit it as a Slurm job through submitit
+(`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue).
+A point that fails marks the sweep failed (hydra then exits non-zero); the other points still run.
+
+Hydra takes launchers only from the `hydra_plugins` package: pyproject maps this folder there.
+"""
+
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.launch import TrainOnNode, slurm_executor  # noqa: E402
+from scripts.launch_command import override_key, torchrun_args  # noqa: E402
+
+
+class TorchrunLauncher(Launcher):
+    """One torchrun job per sweep point: here, one after another, or on Slurm (`slurm` set)."""
+
+    def __init__(self, nproc_per_node: int, slurm: DictConfig | None = None) -> None:
+        if int(nproc_per_node) < 1:
+            raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node} must be at least 1")
+        self.nproc_per_node, self.slurm = int(nproc_per_node), slurm
+        self.config: DictConfig | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        points = []
+        for job, overrides in enumerate(job_overrides, initial_job_idx):
+            kept = [o for o in filter_overrides(overrides) if "=" not in o or override_key(o) != "dump_dir"]
+            points.append((job, [*kept, f"dump_dir={sweep_dir}/{job}"]))
+        if self.slurm is None:
+            return [_job_return(overrides, self._run_here(overrides, job)) for job, overrides in points]
+        return self._run_on_slurm(points)
+
+    def _run_here(self, overrides: list[str], job: int) -> Exception | None:
+        port = _free_port()
+        argv = torchrun_args(1, self.nproc_per_node, f"localhost:{port}", f"sweep-{uuid.uuid4().hex[:8]}-{job}",
+                             overrides, python=sys.executable)
+        print(f"sweep point {job}: {' '.join(overrides)}", flush=True)
+        code = subprocess.run(argv, cwd=REPO).returncode
+        return None if code == 0 else RuntimeError(f"sweep point {job} ({' '.join(overrides)}): torchrun exited {code}")
+
+    def _run_on_slurm(self, points: list[tuple[int, list[str]]]) -> list[JobReturn]:
+        s = self.slurm
+        executor = slurm_executor(REPO / str(s.logs), s.nodes, s.gpus_per_node, s.timeout_min, s.partition)
+        jobs = [(overrides, executor.submit(TrainOnNode(overrides, self.nproc_per_node, sys.executable)))
+                for _, overrides in points]
+        for (job, overrides), (_, submitted) in zip(points, jobs):
+            print(f"sweep point {job}: Slurm job {submitted.job_id}: {' '.join(overrides)}", flush=True)
+        returns = []
+        for overrides, submitted in jobs:
+            try:
+                submitted.result()
+                returns.append(_job_return(overrides, None))
+            except Exception as e:  # noqa: BLE001 (a failed point fails the sweep, after the others finished)
+                returns.append(_job_return(overrides, RuntimeError(f"Slurm job {submitted.job_id}: {e}")))
+        return returns
+
+
+def _job_return(overrides: list[str], failure: Exception | None) -> JobReturn:
+    ret = JobReturn(overrides=overrides, status=JobStatus.COMPLETED if failure is None else JobStatus.FAILED)
+    ret.return_value = failure if failure is not None else 0
+    return ret
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
