@@ -19,8 +19,10 @@ def seed_everything(seed: int) -> None:
 
 def enable_deterministic(device_type: str) -> None:
     if device_type == "cuda":
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        os.environ["NCCL_ALGO"] = "Ring"
+        # A user's own choice stays: any single NCCL algorithm is deterministic, and torch itself refuses
+        # a cuBLAS workspace setting that is not (":4096:8" or ":16:8").
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)

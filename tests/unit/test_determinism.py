@@ -1,0 +1,34 @@
+"""The deterministic-training switches: what enable_deterministic sets, and what it leaves to the user."""
+
+import os
+
+import pytest
+import torch
+
+from trainer.determinism import enable_deterministic
+
+
+@pytest.fixture
+def restore_torch_flags():
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(flags[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
+
+
+def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, restore_torch_flags):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # the user's own single algorithm is as deterministic
+    enable_deterministic("cuda")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Tree"
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+
+
+def test_cpu_sets_no_cuda_environment(monkeypatch, restore_torch_flags):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    enable_deterministic("cpu")
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "NCCL_ALGO" not in os.environ
+    assert torch.are_deterministic_algorithms_enabled()
