@@ -19,10 +19,13 @@ def seed_everything(seed: int) -> None:
 
 def enable_deterministic(device_type: str) -> None:
     if device_type == "cuda":
-        # A user's own choice stays: any single NCCL algorithm is deterministic, and torch itself refuses
-        # a cuBLAS workspace setting that is not (":4096:8" or ":16:8").
+        # A user's own choice stays where it is deterministic: one NCCL algorithm (a list, "Tree,Ring", or
+        # an exclusion, "^Tree", lets NCCL pick per size), and torch itself refuses a cuBLAS workspace
+        # setting that is not ":4096:8" or ":16:8".
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        os.environ.setdefault("NCCL_ALGO", "Ring")
+        algo = os.environ.get("NCCL_ALGO", "")
+        if not algo or "," in algo or algo.startswith("^"):
+            os.environ["NCCL_ALGO"] = "Ring"
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)

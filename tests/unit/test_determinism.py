@@ -17,11 +17,15 @@ def restore_torch_flags():
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
 
 
-def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, restore_torch_flags):
+@pytest.mark.parametrize("user_algo, algo", [(None, "Ring"), ("Tree", "Tree"), ("Tree,Ring", "Ring"), ("^Tree", "Ring")])
+def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, restore_torch_flags, user_algo, algo):
+    """A user's single NCCL algorithm is as deterministic as Ring; a list or an exclusion is not."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    monkeypatch.setenv("NCCL_ALGO", "Tree")  # the user's own single algorithm is as deterministic
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    if user_algo is not None:
+        monkeypatch.setenv("NCCL_ALGO", user_algo)
     enable_deterministic("cuda")
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Tree"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == algo
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
 
