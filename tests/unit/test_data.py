@@ -1,6 +1,7 @@
 """Data pipeline: tokenizer, packed tokens, layout-independent sampler, cache, microbatches."""
 
 import json
+import os
 import random
 import shutil
 import sysconfig
@@ -15,7 +16,7 @@ import torch
 from parallel.errors import ConfigError
 from trainer.data import BatchLoader, default_corpus_files, prepare_dataset, resolve_source_files
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
-from trainer.token_shards import PackedTokens, is_complete, write_packed_tokens
+from trainer.token_shards import PackedTokens, is_complete, sources_fingerprint, write_packed_tokens
 from trainer.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
@@ -278,6 +279,20 @@ def test_cache_is_built_once_and_half_written_folders_never_count(corpus: Path, 
     _, rebuilt = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
     assert not any("training" in line for line in lines)  # the finished tokenizer is reused
     assert (rebuilt.path / "tokens.bin").read_bytes() == expected
+
+
+@pytest.mark.parametrize("offset", [0, 150_000 - 10])
+def test_a_file_replaced_with_same_size_and_mtime_changes_the_cache_key(tmp_path: Path, offset: int) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"a" * 150_000)
+    before = sources_fingerprint([path])
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] = ord("b")
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # what cp -p or rsync -t keep
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert sources_fingerprint([path]) != before
 
 
 def test_waiting_rank_gets_main_rank_result(corpus: Path, tmp_path: Path) -> None:
