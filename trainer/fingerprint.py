@@ -38,6 +38,7 @@ _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KER
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sample", "eval.steps")
+_FP8_DETAILS = (*FP8, "model.fp8_wgrad", "model.fp8_amax_history_len")
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS, "eval.steps")
 _FORMAT_HINT = ("the checkpoint's fp8 scales were computed for the old format's range and would quantize the "
@@ -110,8 +111,13 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
                           "it was not written by this trainer, or is damaged")
     current = {key: value for key, value in current.items() if key in saved or key not in _ABSENT_MEANS_UNKNOWN}
     saved = _ABSENT_MEANS_DEFAULT | saved
-    # The fp8 format may change only where no saved scales carry over (fp8 off before or now).
-    refused = {"model.fp8_format"} if saved.get("model.use_fp8") and current.get("model.use_fp8") else set()
+    fp8_state_carries_over = bool(saved.get("model.use_fp8") and current.get("model.use_fp8"))
+    if not fp8_state_carries_over:
+        # fp8 off before or now: no scaling state is loaded, so how fp8 was or is set up changes nothing
+        # a resume carries over (and with fp8 off those keys must keep their defaults).
+        current = {key: value for key, value in current.items() if key not in _FP8_DETAILS}
+    # The fp8 format may change only where no saved scales carry over.
+    refused = {"model.fp8_format"} if fp8_state_carries_over else set()
     changed = [key for key in current if saved.get(key) != current[key] and (key not in allowed or key in refused)]
     if not changed:
         return

@@ -52,9 +52,23 @@ def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):
     message = str(err.value)
     assert "model.fp8_format 'hybrid' -> 'e4m3'" in message and "old format's range" in message
     assert "allow_changed" not in message and "\n" not in message
-    # Without saved scales (fp8 was off) the format is free to change, when allowed.
+    # Without saved scales (fp8 was off) the format is free: switching fp8 on is the change to allow.
     check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint(use_fp8=True, fp8_format="e4m3"),
-                    allowed=["model.use_fp8", "model.fp8_format"])
+                    allowed=["model.use_fp8"])
+
+
+def test_fp8_can_be_switched_off_and_on_whatever_its_history_length(tmp_path):
+    """The history's length is its checkpointed shape, so it cannot change while fp8 stays on; switching
+    fp8 off (its keys then back at their defaults) or on (no saved history loaded) must stay possible."""
+    on_with_4 = _fingerprint(use_fp8=True, fp8_amax_history_len=4, fp8_margin=1)
+    check_resumable(_saved(tmp_path, on_with_4), _fingerprint(), allowed=["model.use_fp8"])
+    check_resumable(_saved(tmp_path, _fingerprint()), on_with_4, allowed=["model.use_fp8"])
+    with pytest.raises(ConfigError, match="model.fp8_amax_history_len 4 -> 16") as err:
+        check_resumable(_saved(tmp_path, on_with_4), _fingerprint(use_fp8=True, fp8_amax_history_len=16, fp8_margin=1),
+                        allowed=[])
+    assert "allow_changed" not in str(err.value)
+    with pytest.raises(ConfigError, match="model.use_fp8 True -> False"):
+        check_resumable(_saved(tmp_path, on_with_4), _fingerprint(), allowed=[])
 
 
 def test_data_fingerprint_sees_a_change_anywhere_in_a_small_file(tmp_path):
