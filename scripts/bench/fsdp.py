@@ -11,7 +11,9 @@ optimizer over the whole model) on each rank with no communication at all; the "
 opposite: ours' ZeRO-3 collectives with no compute.
 
 Same model (conf/model/{tiny,small}.yaml), same weights, same data; fp32, 1 thread per rank, microbatch
-size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`;
+size 1, M microbatches per step with gradient sync only on the last one (ours: `set_microbatch`, with
+optimize_backward_concat=true, one flat-gradient concat per unit per step, as FSDP2's per-parameter
+gradients need none;
 FSDP2: `set_requires_gradient_sync`; DDP: `no_sync()`). With reshard_after_forward=False, FSDP2 also
 gets `set_reshard_after_backward(is_last)` so that, like ours, it keeps parameters unsharded across the
 step's microbatches instead of re-gathering per microbatch. FSDP2 does not get
@@ -36,8 +38,10 @@ layout after its first step), valid because every parameter gets a gradient.
 Memory: ru_maxrss is a process-wide high-water mark with no portable reset, so in the shared timing
 processes it would only show the largest configuration. Peak RSS is therefore measured in fresh
 processes, one spawn per configuration; the table gives the max over ranks of the peak, and of the
-increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline). The
-peak includes building the full model on every rank, as all three do.
+increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline; every
+configuration first builds a throwaway torch AdamW, whose import of torch._dynamo would otherwise
+count against FSDP2, DDP and the limit only). The peak includes building the full model on every
+rank, as all three do.
 
     python scripts/bench/fsdp.py [--model tiny|small] [--world 4] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
 
