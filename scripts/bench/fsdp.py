@@ -81,6 +81,7 @@ from trainer.optimizer import NamedAdamW  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.fsdp import FSDPConfig, fully_shard  # noqa: E402
 from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
+from scripts.bench.agreement import require_agreement  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
@@ -354,14 +355,12 @@ def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: 
     return {"peak": max(p for p, _ in gathered), "increment": max(p - b for p, b in gathered)}
 
 
-def check_losses_agree(losses: dict[Config, float], rtol: float = 1e-5) -> str:
-    """Every configuration that trains the global batch must end at FSDP2's loss (the limit row trains
-    each rank's batch alone, the comm row nothing): a faster wrong answer is no result."""
+def check_losses_agree(losses: dict[Config, float]) -> str:
+    """Every configuration that trains the global batch ends at FSDP2's loss (the limit row trains each
+    rank's batch alone, the comm row nothing)."""
     reference = losses[Config("fsdp2", False)]
     worst = max(abs(losses[c] - reference) / abs(reference) for c in CONFIGS if c.kind in ("ours", "fsdp2", "ddp"))
-    if worst > rtol:
-        raise SystemExit(f"error: losses disagree: largest relative difference to FSDP2 {worst:.2e} > {rtol:g}")
-    return f"last-step losses of ours, FSDP2 and DDP agree within {worst:.1e} relative (checked <= {rtol:g})"
+    return require_agreement("last-step losses of ours, FSDP2 and DDP", worst, rtol=1e-5)
 
 
 def maxrss_mib() -> float:

@@ -30,8 +30,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
+from scripts.bench.agreement import require_agreement  # noqa: E402
 from scripts.export_hf import hf_config, to_hf  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
+from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
@@ -44,7 +46,7 @@ def build_pair(args: ModelArgs, seed: int) -> tuple[nn.Module, nn.Module]:
     ours = Transformer(args)
     init_weights(ours, args, seed)
     # sdpa on both sides: the comparison is of the models around attention, not of attention kernels.
-    config = LlamaConfig(**hf_config(args, torch.float32), attn_implementation="sdpa", use_cache=False)
+    config = LlamaConfig(**hf_config(args, "float32", BOS_ID, EOS_ID), attn_implementation="sdpa", use_cache=False)
     hf = LlamaForCausalLM(config)
     hf.load_state_dict({n: t.detach().clone() for n, t in to_hf(ours.state_dict(), ours.args).items()}, strict=True)
     return ours.train(), hf.train()
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"batch {opts.batch} x seq {opts.seq}, fp32, CPU, {opts.threads} threads, {warmup} warmup + {steps} "
           f"timed steps, torch {torch.__version__}, transformers {transformers.__version__}\n")
     print(table(opts.model, opts.batch * opts.seq, result))
+    loss_ours, loss_hf = result["losses"]
+    print("\n" + require_agreement("step-1 losses of ours and HF", abs(loss_ours - loss_hf) / abs(loss_hf), rtol=1e-6))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from model.init import init_weights  # noqa: E402
 from model.transformer import TransformerBlock  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.tensor_parallel import TPContext, tp_local_slice  # noqa: E402
+from scripts.bench.agreement import require_agreement  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
@@ -339,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(results))
     print("\nmax |x - x_tp1| / max |x_tp1| against the TP=1 block (this rank's sequence chunk under SP):\n")
     print(diff_table(results))
+    worst = max(d for res in results.values() for diffs in res["diffs"].values() for d in diffs)
+    print("\n" + require_agreement("outputs and input gradients of ours and DTensor against TP=1", worst, rtol=1e-5))
 
 
 if __name__ == "__main__":
