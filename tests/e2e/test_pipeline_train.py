@@ -7,9 +7,9 @@ import shutil
 from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 
 FAST = ("model=tiny", "model.n_layers=4", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true")
-# 2 stages x 2 chunks of one layer; 3 microbatches, not a multiple of the 2 stages.
-INTERLEAVED = ("pipeline_parallel_size=2", "pipeline_schedule=interleaved_1f1b",
-               "num_layers_per_virtual_pipeline_stage=1", "batch_size=3")
+# 2 stages x 2 chunks of one layer; 3 microbatches, not a multiple of the 2 stages. Virtual stages
+# alone select the interleaved 1F1B (the default pipeline_schedule=1f1b), as in the product's command.
+INTERLEAVED = ("pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1", "batch_size=3")
 
 
 def test_interleaved_resume_is_bitwise_and_reloads_without_pipeline(tmp_path):
