@@ -9,7 +9,7 @@ resuming only needs the step number.
 import numpy as np
 
 from parallel.errors import ConfigError
-from trainer.shuffle import RandomPermutation
+from trainer.shuffle import SHUFFLE_VERSION, RandomPermutation
 
 
 class GlobalBatchSampler:
@@ -28,6 +28,7 @@ class GlobalBatchSampler:
         self.num_sequences = num_sequences
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.shuffle_version = SHUFFLE_VERSION
         self.steps_per_epoch = num_sequences // global_batch_size
 
     def global_indices(self, step: int) -> np.ndarray:
@@ -49,10 +50,10 @@ class GlobalBatchSampler:
     def state_dict(self) -> dict[str, int]:
         """What fixes the data order. The position needs no state: step s's batch is a pure function
         of these and s, so a checkpoint's step number is enough to resume."""
-        return {"seed": self.seed, "num_sequences": self.num_sequences, "global_batch_size": self.global_batch_size}
+        return {key: getattr(self, key) for key in _RESUME_HINTS}
 
     def check_resumable(self, state: dict[str, int]) -> None:
-        """Refuse a checkpoint written with a different seed, data or global batch size."""
+        """Refuse a checkpoint written with a different seed, data, global batch size or shuffle."""
         for key, hint in _RESUME_HINTS.items():
             if int(state[key]) != getattr(self, key):
                 raise ConfigError(
@@ -93,6 +94,8 @@ _RESUME_HINTS = {
     "seed": "seed changed",
     "num_sequences": "data.source, seq_len or data.held_out_fraction changed",
     "global_batch_size": "batch_size (or the data-parallel size) changed",
+    "shuffle_version": "the trainer version that wrote the checkpoint shuffled the data another way (finish the "
+                       "run with that version, or start it over in a new dump_dir)",
 }
 
 

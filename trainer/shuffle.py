@@ -9,6 +9,9 @@ whatever the size of the corpus, and the order depends only on (seed, epoch).
 
 import numpy as np
 
+# Stored with every checkpoint: a resume refuses a data order this version cannot reproduce. Version 1
+# was a stable argsort of PCG64 keys per epoch; version 2 is this network.
+SHUFFLE_VERSION = 2
 _ROUNDS = 8
 # splitmix64's finalizer constants: a fast 64-bit mix with good avalanche, used as the round function.
 _MIX_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))

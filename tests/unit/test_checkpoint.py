@@ -12,6 +12,7 @@ from trainer.checkpoint import (
     prune_checkpoints, save_checkpoint, verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
+from trainer.shuffle import SHUFFLE_VERSION
 from trainer.state import load_into
 
 
@@ -77,8 +78,18 @@ def test_metadata_with_arbitrary_code_is_refused(tmp_path, world):
         load_checkpoint(path, target, world)
 
 
-def run_state(fp8: dict) -> dict:
-    return {"fp8": fp8, "trainer": {"step": torch.tensor(3)}, "rng": {"rank0": {"shared": torch.zeros(2)}}}
+def run_state(fp8: dict, shuffle_version: int | None = SHUFFLE_VERSION) -> dict:
+    trainer = {"step": torch.tensor(3)} | ({} if shuffle_version is None else {"shuffle_version": torch.tensor(shuffle_version)})
+    return {"fp8": fp8, "trainer": trainer, "rng": {"rank0": {"shared": torch.zeros(2)}}}
+
+
+def test_a_checkpoint_of_the_older_shuffle_is_refused(tmp_path, world):
+    """Written before the shuffle version was stored: its data order (an argsort per epoch) cannot be
+    reproduced, so resuming would silently train on other sequences."""
+    path = save_checkpoint(tmp_path, 3, run_state({}, shuffle_version=None), world, rank=0, extra_files={})
+    with pytest.raises(CheckpointError, match="shuffled the data another way .shuffle_version 1.; resuming would "
+                                              "change the data order"):
+        load_into(path, run_state({}), rng=None, sampler=None, group=world)
 
 
 def test_fp8_state_of_the_other_implementation_is_one_clear_error(tmp_path, world):

@@ -153,7 +153,8 @@ def test_sampler_resumes_from_state_dict() -> None:
 
 @pytest.mark.parametrize(
     ("field", "match"),
-    [("seed", "seed"), ("num_sequences", "data.source, seq_len or data.held_out_fraction"), ("global_batch_size", "batch_size")],
+    [("seed", "seed"), ("num_sequences", "data.source, seq_len or data.held_out_fraction"), ("global_batch_size", "batch_size"),
+     ("shuffle_version", "shuffled the data another way")],
 )
 def test_sampler_refuses_changed_state(field: str, match: str) -> None:
     state = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).state_dict()
