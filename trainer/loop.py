@@ -137,7 +137,14 @@ class Trainer:
         return loss_sum.item() / (self.global_tokens * self.cfg.eval.steps)
 
     def _cp_shards(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This CP rank's share of each sequence (tokens and targets alike), cut once per step."""
+        """This CP rank's share of each sequence (tokens and targets alike), cut once per step. The loss
+        divides by global_tokens, computed from the config: a loader that handed over other shapes
+        would scale the loss and every gradient wrongly without a word, so the shapes are checked."""
+        expected = (self.cfg.num_microbatches, (self.cfg.microbatch_size, self.cfg.seq_len))
+        got = (len(microbatches), {tuple(t.shape) for pair in microbatches for t in pair})
+        if got != (expected[0], {expected[1]}):
+            raise RuntimeError(f"the loader gave {got[0]} microbatches of shapes {sorted(got[1])}; the config needs "
+                               f"{expected[0]} of {expected[1]} (microbatch_size x seq_len)")
         cp = self.chunks[0].cp
         return [(cp.shard(tokens), cp.shard(targets)) for tokens, targets in microbatches]
 

@@ -106,11 +106,22 @@ def _check_each_chunk_reduces_in_its_own_last_backward(rank: int, world: int) ->
     assert reductions[-1][0] == 0 and any(n for c, _, n in reductions[:-1] if c == 1)
 
 
+def _check_a_loader_of_other_shapes_is_refused(rank: int, world: int) -> None:
+    """The loss divides by the config's token count: sequences shorter than seq_len would scale the loss
+    and every gradient wrongly, so the step refuses them before computing anything."""
+    trainer = make_trainer(config(batch_size=2, steps=1), world)
+    batch = trainer.loader.batch
+    trainer.loader.batch = lambda step: [(tokens[:, :-1], targets[:, :-1]) for tokens, targets in batch(step)]
+    with pytest.raises(RuntimeError, match=rf"microbatches of shapes \[\(1, {SEQ - 1}\)\]; the config needs 2 of \(1, {SEQ}\)"):
+        trainer.train_step(1)
+
+
 def _pipeline_ranks(rank: int, world: int, reference: dict) -> None:
     _check_layouts(rank, world, reference)
     _check_one_concat_per_unit(rank, world)
     _check_composition_on_4_ranks(rank, world, reference)
     _check_each_chunk_reduces_in_its_own_last_backward(rank, world)
+    _check_a_loader_of_other_shapes_is_refused(rank, world)
 
 
 def test_pipeline_layouts_match_one_process(reference):
