@@ -27,8 +27,9 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
     """Hydra reports a bad override (an unknown key, a missing config option, broken syntax) in several
     lines and exits 1 before the trainer runs: compose the config first, so that it is one `error:` line
-    and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps) go to it unchecked."""
-    if any(arg.startswith("-") for arg in overrides):
+    and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps, and sweeps asked for
+    by hydra.mode=MULTIRUN) go to it unchecked."""
+    if any(arg.startswith("-") or arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
         return
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -81,7 +81,7 @@ from trainer.optimizer import NamedAdamW  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.fsdp import FSDPConfig, fully_shard  # noqa: E402
 from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
-from scripts.bench.agreement import require_agreement  # noqa: E402
+from scripts.bench.agreement import require_agreement, worst  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 
@@ -359,8 +359,8 @@ def check_losses_agree(losses: dict[Config, float]) -> str:
     """Every configuration that trains the global batch ends at FSDP2's loss (the limit row trains each
     rank's batch alone, the comm row nothing)."""
     reference = losses[Config("fsdp2", False)]
-    worst = max(abs(losses[c] - reference) / abs(reference) for c in CONFIGS if c.kind in ("ours", "fsdp2", "ddp"))
-    return require_agreement("last-step losses of ours, FSDP2 and DDP", worst, rtol=1e-5)
+    diffs = [abs(losses[c] - reference) / abs(reference) for c in CONFIGS if c.kind in ("ours", "fsdp2", "ddp")]
+    return require_agreement("last-step losses of ours, FSDP2 and DDP", worst(diffs), rtol=1e-5)
 
 
 def maxrss_mib() -> float:

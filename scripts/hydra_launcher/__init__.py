@@ -1,17 +1,21 @@
 """Hydra launchers that run every point of a sweep (`train.py -m ...`) as its own torchrun job.
 
     python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=4 seed=1,2,3
-    python train.py -m hydra/launcher=torchrun_slurm hydra.launcher.nodes=2 hydra.launcher.gpus_per_node=8 \
-        hydra.launcher.partition=gpu optim.lr=1e-4,3e-4
+    python train.py -m hydra/launcher=torchrun_slurm hydra.launcher.nproc_per_node=8 \
+        hydra.launcher.slurm.nodes=2 hydra.launcher.slurm.gpus_per_node=8 hydra.launcher.slurm.partition=gpu \
+        optim.lr=1e-4,3e-4
 
 Hydra's basic launcher would run each point in-process on one rank, and a sweep under torchrun would
 run every point on every worker through one rendezvous. These build, per point, the same torchrun
-command as every other launcher (`scripts/launch_command.py`) with `dump_dir={sweep dir}/{job number}`,
+command as every other launcher (`scripts/launch_command.py`) with `dump_dir={dump_dir}/{job number}`
+(the point's own dump_dir, made absolute against the directory hydra was started in),
 and run it here one point after another (`torchrun`) or submit it as a Slurm job through submitit
 (`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue).
 A point that fails marks the sweep failed (hydra then exits non-zero); the other points still run.
 
-Hydra takes launchers only from the `hydra_plugins` package: pyproject maps this folder there.
+Hydra takes launchers only from the `hydra_plugins` package: pyproject maps this folder there. The
+trainer's own launch helpers are imported when a sweep launches, from the checkout that runs train.py,
+so that hydra's plugin scan in any other hydra program never depends on them.
 """
 
 import socket
@@ -25,13 +29,6 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from scripts.launch import TrainOnNode, slurm_executor  # noqa: E402
-from scripts.launch_command import override_key, torchrun_args  # noqa: E402
 
 
 class TorchrunLauncher(Launcher):
@@ -47,17 +44,25 @@ class TorchrunLauncher(Launcher):
         self.config = config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        from scripts.launch_command import dump_dir_of, override_key
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         points = []
         for job, overrides in enumerate(job_overrides, initial_job_idx):
-            kept = [o for o in filter_overrides(overrides) if "=" not in o or override_key(o) != "dump_dir"]
-            points.append((job, [*kept, f"dump_dir={sweep_dir}/{job}"]))
+            overrides = list(filter_overrides(overrides))
+            # As a sweep run in the hydra process: {the point's dump_dir}/{job}; the jobs run in the checkout.
+            dump_dir = Path(dump_dir_of(overrides, str(sweep_dir))).resolve()
+            kept = [o for o in overrides if "=" not in o or override_key(o) != "dump_dir"]
+            points.append((job, [*kept, f"dump_dir={dump_dir}/{job}"]))
         if self.slurm is None:
             return [_job_return(overrides, self._run_here(overrides, job)) for job, overrides in points]
         return self._run_on_slurm(points)
 
     def _run_here(self, overrides: list[str], job: int) -> Exception | None:
+        from scripts.launch import REPO
+        from scripts.launch_command import torchrun_args
+
         port = _free_port()
         argv = torchrun_args(1, self.nproc_per_node, f"localhost:{port}", f"sweep-{uuid.uuid4().hex[:8]}-{job}",
                              overrides, python=sys.executable)
@@ -66,6 +71,8 @@ class TorchrunLauncher(Launcher):
         return None if code == 0 else RuntimeError(f"sweep point {job} ({' '.join(overrides)}): torchrun exited {code}")
 
     def _run_on_slurm(self, points: list[tuple[int, list[str]]]) -> list[JobReturn]:
+        from scripts.launch import REPO, TrainOnNode, slurm_executor
+
         s = self.slurm
         executor = slurm_executor(REPO / str(s.logs), s.nodes, s.gpus_per_node, s.timeout_min, s.partition)
         jobs = [(overrides, executor.submit(TrainOnNode(overrides, self.nproc_per_node, sys.executable)))

@@ -27,3 +27,6 @@ def test_a_disagreement_exits_with_one_error_line() -> None:
         agreement.require_agreement("losses", 2e-3, rtol=1e-5)
     with pytest.raises(SystemExit):
         agreement.require_agreement("losses", float("nan"), rtol=1e-5)
+    nan = float("nan")
+    assert agreement.worst([1e-9, 2e-9]) == 2e-9 and agreement.worst([]) == 0.0
+    assert all(agreement.worst(values) != agreement.worst(values) for values in ([1e-9, nan], [0.0, nan, 1.0]))
