@@ -117,13 +117,14 @@ def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
 
 
 def test_deterministic_runs_are_bitwise_identical(tmp_path, capsys):
-    """Two runs compare bitwise equal; the same comparison catches a run perturbed by one part in 1e7
-    of the LR (so it is not equality by construction, e.g. of two copies of one file)."""
+    """Two runs compare bitwise equal; the same comparison catches a run perturbed by one part in 1e5
+    of the LR (so it is not equality by construction, e.g. of two copies of one file). One part in
+    1e7 moves the weights by less than an fp32 ulp in most places and may round away entirely."""
     args = (*FAST, "steps=4", "batch_size=4", "microbatch_size=2", "enable_deterministic_training=true")
     first = losses(train_ok(2, tmp_path / "a", *args))
     second = losses(train_ok(2, tmp_path / "b", *args))
     assert first == second
-    train_ok(2, tmp_path / "perturbed", *args, "optim.lr=1.0000001e-2")
+    train_ok(2, tmp_path / "perturbed", *args, "optim.lr=1.00001e-2")
     assert compare_runs([str(tmp_path / "a"), str(tmp_path / "b"), "--brief"]) == 0
     assert compare_runs([str(tmp_path / "a"), str(tmp_path / "perturbed"), "--brief"]) == 1
     verdicts = capsys.readouterr().out.splitlines()
