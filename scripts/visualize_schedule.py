@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.errors import ConfigError  # noqa: E402
-from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
+from parallel.pipeline.schedule import effective_schedule, pipeline_actions  # noqa: E402
 from parallel.pipeline.simulate import draw_timeline, simulate, uniform_costs  # noqa: E402
 
 DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     timeline = simulate(programs, pp, vpp, costs)
-    title = f"{options['schedule']}  pp={pp} vpp={vpp} microbatches={m}"
+    title = f"{effective_schedule(options['schedule'], vpp)}  pp={pp} vpp={vpp} microbatches={m}"
     draw_timeline(timeline, out, title)
     if options["actions"]:
         Path(options["actions"]).write_text("".join(f"{a}\n" for program in programs for a in program))
