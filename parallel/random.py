@@ -5,6 +5,11 @@ activation must drop the same elements everywhere); inside a TP region each rank
 features, so its draws must differ, yet be reproducible. `tp_region()` swaps the default generator
 for a TP-rank-specific stream and swaps it back afterwards, so the shared stream continues exactly
 as if the region had drawn nothing.
+
+The Llama model draws nothing (no dropout). A module that draws inside `tp_region` under activation
+checkpointing needs more: torch's checkpoint replays only the default generator, so its recompute
+would draw from the TP stream where it stands by then, not where the forward drew (Megatron's
+checkpoint saves and restores its tracker's states for this).
 """
 
 from collections.abc import Iterator

@@ -73,3 +73,37 @@ def test_rotary_uses_global_positions():
     shifted = (base - model(tokens, positions=torch.arange(8) + 5)).abs().max().item()
     spread = (base - model(tokens, positions=torch.arange(8) * 2)).abs().max().item()
     assert shifted < 1e-6 and spread > 100 * max(shifted, 1e-7), (shifted, spread)
+
+
+def _saved_bytes(args: ModelArgs, layer_ckpt: str) -> int:
+    """Bytes autograd keeps for backward after one forward (what activation checkpointing frees)."""
+    from trainer.parallelize import apply_activation_checkpointing
+
+    model = Transformer(args)
+    init_weights(model, args, seed=0)
+    if layer_ckpt != "none":
+        apply_activation_checkpointing(model, layer_ckpt)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, args.vocab_size, (2, args.max_seq_len)))
+    return sum(saved.values())
+
+
+def test_selective_checkpointing_frees_the_attention_scores_and_full_frees_more():
+    """selective recomputes the attention core: with efficient_attn=math it frees the [b, h, s, s]
+    scores of every layer; with sdpa the core keeps only its log-sum-exp, so it frees almost nothing
+    (what the docs say: use full there). full keeps only each block's input."""
+    math_args = ModelArgs(**{**ARGS.__dict__, "efficient_attn": "math", "max_seq_len": 64})
+    none, selective, full = (_saved_bytes(math_args, mode) for mode in ("none", "selective", "full"))
+    scores = math_args.n_layers * 2 * math_args.n_heads * 64 * 64 * 4  # one fp32 [b, h, s, s] per layer
+    assert none - selective >= 0.75 * scores and full < selective / 2, (none, selective, full)
+    sdpa_args = ModelArgs(**{**ARGS.__dict__, "max_seq_len": 64})
+    sdpa_none, sdpa_selective = _saved_bytes(sdpa_args, "none"), _saved_bytes(sdpa_args, "selective")
+    assert sdpa_none - sdpa_selective < 0.01 * sdpa_none, (sdpa_none, sdpa_selective)
