@@ -2,14 +2,18 @@
 values are float32s, as grad norms are; else of float64) and relative terms, with
 one verdict.
 
-    python scripts/compare_runs.py DUMP_A DUMP_B [--rtol R] [--plot out.png] [--brief]
+    python scripts/compare_runs.py DUMP_A DUMP_B [--rtol R] [--fields loss,grad_norm] [--plot out.png] [--brief]
 
 Reads `metrics.jsonl` of both dump_dirs. Exit code 0 when every common step's loss, grad norm and eval
-loss agree within --rtol (default 0: bit for bit) and both runs logged the same steps and fields, 1
-otherwise, 2 on unreadable input. A non-finite value (logged as null) agrees only with a non-finite
-value at the same step; a field one run logged and the other did not is a difference. --plot draws both
-loss curves and their difference; --brief prints only the verdict line with each run's median TFLOP/s
-(for scripts such as numerics_matrix.sh).
+loss (or the --fields given) agree within --rtol (default 0: bit for bit) and both runs logged the same
+steps and fields, 1 otherwise, 2 on unusable input (unreadable metrics, one folder given twice, nothing
+to compare). A non-finite value (logged as null) agrees only with a non-finite value at the same step
+(the verdict counts them); a field one run logged and the other did not is a difference. A partial last
+line (a run still writing, or killed mid-line) is left out with a note. Notes on stderr name what the
+verdict cannot see: a run that logged fewer steps than its config's `steps`, and the config keys in
+which the runs differ (from train_config.json). --plot draws both loss curves and their difference;
+--brief prints only the verdict line with each run's median TFLOP/s (for scripts such as
+numerics_matrix.sh).
 """
 
 import argparse
@@ -28,16 +32,56 @@ class UnreadableMetrics(Exception):
     pass
 
 
-def read_metrics(dump_dir: Path) -> dict[int, dict]:
+def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
     path = dump_dir / "metrics.jsonl"
     try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        by_step = {int(r["step"]): r for r in records}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError as e:
         raise UnreadableMetrics(f"{path} is not a readable metrics file: {e}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if number < len(lines):
+                raise UnreadableMetrics(f"{path} line {number} is not a JSON record: {e}") from None
+            notes.append(f"{path}: its last line is partial (a run still writing, or killed mid-line): left out")
+    try:
+        by_step = {int(r["step"]): r for r in records}
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnreadableMetrics(f"{path} is not a readable metrics file: a record without a step ({e})") from None
+    if not by_step:
+        raise UnreadableMetrics(f"{path} holds no records")
     if len(by_step) != len(records):
         raise UnreadableMetrics(f"{path} logs some step twice (a resumed run moves the steps it redoes away)")
     return by_step
+
+
+def config_notes(dump_a: Path, dump_b: Path, a: dict[int, dict], b: dict[int, dict]) -> list[str]:
+    """What the verdict cannot see: unfinished runs and the config keys the runs differ in."""
+    configs = [_flat_config(d) for d in (dump_a, dump_b)]
+    notes = [f"{d}: logged up to step {max(r)} of its steps={c['steps']} (unfinished, or still running)"
+             for d, r, c in zip((dump_a, dump_b), (a, b), configs) if isinstance(c.get("steps"), int) and max(r) < c["steps"]]
+    if all(configs):
+        differ = [f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in sorted(configs[0].keys() | configs[1].keys())
+                  if k != "dump_dir" and configs[0].get(k) != configs[1].get(k)]
+        if differ:
+            notes.append("the configs differ in: " + ", ".join(differ))
+    return notes
+
+
+def _flat_config(dump_dir: Path) -> dict:
+    try:
+        raw = json.loads((dump_dir / "train_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+    return flat(raw) if isinstance(raw, dict) else {}
 
 
 _FORMATS = {64: ("<q", "<d", 0x7FFFFFFFFFFFFFFF), 32: ("<i", "<f", 0x7FFFFFFF)}
@@ -84,27 +128,34 @@ def _cell(x: object, y: object, rel: float) -> str:
     return f"{shown[0]:>22} {shown[1]:>22} {'':>14} {rel:9.2e}"
 
 
-def compare(a: dict[int, dict], b: dict[int, dict], rtol: float) -> tuple[list[str], str, bool]:
+def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
+            fields: tuple[str, ...] = FIELDS) -> tuple[list[str], str, bool]:
     """(table rows, verdict line, whether the runs agree)."""
     steps = sorted(a.keys() & b.keys())
-    rows, worst = [], (0.0, None, None)
+    rows, worst, compared, both_non_finite = [], (0.0, None, None), 0, 0
     for step in steps:
         cells = []
-        for field in FIELDS:
+        for field in fields:
             x, y = a[step].get(field, ABSENT), b[step].get(field, ABSENT)
             if x is ABSENT and y is ABSENT:
                 cells.append(f"{'':>22} {'':>22} {'':>14} {'':>9}")
                 continue
             rel = rel_diff(x, y)
+            compared += 1
+            both_non_finite += rel == 0.0 and not is_finite_number(x)
             worst = max(worst, (rel, step, field), key=lambda w: w[0])
             cells.append(_cell(x, y, rel))
         rows.append(f"{step:>6} | " + " | ".join(cells))
     only = sorted(a.keys() ^ b.keys())
     agree = worst[0] <= rtol and not only and bool(steps)
+    if steps and not compared:
+        raise UnreadableMetrics(f"no {', '.join(fields)} values to compare in the common steps")
     if not steps:
         verdict = "no common steps"
     elif worst[0] == 0.0:
         verdict = f"bitwise equal over {len(steps)} steps"
+        if both_non_finite:
+            verdict += f" ({both_non_finite} of {compared} values non-finite in both runs)"
     elif math.isinf(worst[0]):
         verdict = f"values differ in kind at step {worst[1]} ({worst[2]}: missing or non-finite in one run)"
     else:
@@ -146,28 +197,52 @@ def plot(a: dict[int, dict], b: dict[int, dict], labels: tuple[str, str], out: s
     plt.close(fig)
 
 
+def tolerance(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def field_list(text: str) -> tuple[str, ...]:
+    fields = tuple(f for f in text.split(",") if f)
+    if not fields or set(fields) - set(FIELDS):
+        raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {','.join(FIELDS)}, got {text!r}")
+    return fields
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dump_a", type=Path)
     parser.add_argument("dump_b", type=Path)
-    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
+    parser.add_argument("--rtol", type=tolerance, default=0.0, help="relative tolerance (default 0: bitwise)")
+    parser.add_argument("--fields", type=field_list, default=FIELDS, help=f"what to compare (default {','.join(FIELDS)})")
     parser.add_argument("--plot", help="write a PNG of both loss curves and their difference")
     parser.add_argument("--brief", action="store_true", help="only the verdict and each run's median TFLOP/s")
     opts = parser.parse_args(argv)
+    notes: list[str] = []
     try:
-        a, b = read_metrics(opts.dump_a), read_metrics(opts.dump_b)
+        if opts.dump_a.resolve() == opts.dump_b.resolve():
+            raise UnreadableMetrics(f"{opts.dump_a} is given twice: a run compared with itself proves nothing")
+        a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
+        rows, verdict, agree = compare(a, b, opts.rtol, opts.fields)
     except UnreadableMetrics as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows, verdict, agree = compare(a, b, opts.rtol)
+    for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b):
+        print(f"note: {note}", file=sys.stderr)
     if opts.brief:
         print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")
     else:
-        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>14} {'rel':>9}" for f in FIELDS))
+        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>14} {'rel':>9}" for f in opts.fields))
         print("\n".join(rows))
         print(verdict)
     if opts.plot:
-        plot(a, b, (str(opts.dump_a), str(opts.dump_b)), opts.plot)
+        try:
+            plot(a, b, (str(opts.dump_a), str(opts.dump_b)), opts.plot)
+        except (OSError, ValueError) as e:
+            print(f"error: --plot {opts.plot}: {e}", file=sys.stderr)
+            return 2
     return 0 if agree else 1
 
 

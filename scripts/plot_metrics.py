@@ -22,7 +22,7 @@ def plot(dumps: list[Path], out: str) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for dump in dumps:
-        records = read_metrics(dump)
+        records = read_metrics(dump, notes=[])  # a partial last line (a run still writing) is left out
         steps = sorted(records)
         for ax, (field, title) in zip(axes.flat, PANELS):
             logged = [s for s in steps if field in records[s]]

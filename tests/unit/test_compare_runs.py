@@ -104,3 +104,53 @@ def test_unreadable_or_duplicated_metrics_exit_2_with_one_line(tmp_path, capsys)
         assert compare_runs.main([str(a), str(other)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
+
+
+def test_misuse_that_would_prove_nothing_exits_2(tmp_path, capsys):
+    """A folder given twice, files without any compared value, an empty file: no verdict to trust."""
+    a = _dump(tmp_path / "a", [6.9, 6.1])
+    no_values = _write(tmp_path / "nolosses", [{"step": 1, "lr": 1e-3}, {"step": 2, "lr": 1e-3}])
+    empty = _write(tmp_path / "empty", [])
+    cases = ((a, tmp_path / "a" / ".", "given twice"), (no_values, _write(tmp_path / "nolosses2", [{"step": 1}, {"step": 2}]),
+             "no loss, grad_norm, eval_loss values to compare"), (a, empty, "holds no records"))
+    for first, second, fragment in cases:
+        assert compare_runs.main([str(first), str(second)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and fragment in err[0], err
+    assert compare_runs.main([str(a), str(_dump(tmp_path / "b", [6.9, 6.1])), "--plot", "/no/such/dir/x.png"]) == 2
+    assert "error: --plot /no/such/dir/x.png" in capsys.readouterr().err
+
+
+def test_partial_last_line_non_finite_values_unfinished_runs_and_config_differences_are_said(tmp_path, capsys):
+    a, b = _dump(tmp_path / "a", [6.9, 6.1, 5.4]), _dump(tmp_path / "b", [6.9, 6.1, 5.4])
+    with (b / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 5.')  # a run still writing
+    for folder, steps, concat in ((a, 3, False), (b, 6, True)):
+        (folder / "train_config.json").write_text(json.dumps(
+            {"dump_dir": str(folder), "steps": steps, "optimize_backward_concat": concat, "model": {"dim": 64}}))
+    assert compare_runs.main([str(a), str(b)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().endswith("bitwise equal over 3 steps")
+    notes = captured.err.strip().splitlines()
+    assert any("last line is partial" in n for n in notes), notes
+    assert any(f"{b}: logged up to step 3 of its steps=6" in n for n in notes), notes
+    assert any("configs differ in: optimize_backward_concat (False vs True), steps (3 vs 6)" in n for n in notes), notes
+    skipped = [{"step": s, "loss": None, "grad_norm": None} for s in (1, 2)]
+    x, y = _write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped)
+    assert compare_runs.main([str(x), str(y)]) == 0
+    assert "(4 of 4 values non-finite in both runs)" in capsys.readouterr().out
+
+
+def test_fields_and_tolerance_are_checked(tmp_path, capsys):
+    a = _dump(tmp_path / "a", [6.9, 6.1, 5.4, 5.0])
+    with_eval = _dump(tmp_path / "e", [6.9, 6.1, 5.4, 5.0], eval_every=2)
+    assert compare_runs.main([str(a), str(with_eval)]) == 1  # eval_loss logged by one run only
+    assert compare_runs.main([str(a), str(with_eval), "--fields", "loss,grad_norm"]) == 0
+    capsys.readouterr()
+    for bad in (["--rtol", "nan"], ["--rtol=-1e-6"], ["--fields", "lr"]):
+        try:
+            compare_runs.main([str(a), str(with_eval), *bad])
+        except SystemExit as e:
+            assert e.code == 2, bad
+        else:
+            raise AssertionError(f"{bad} was accepted")
