@@ -75,10 +75,14 @@ def load_into(
         del state["rng"]  # another layout: this rank's streams were not saved, start them fresh
     if "fp8" in state and not any(k.startswith("fp8.") for k in saved_keys):
         del state["fp8"]  # fp8 switched on at this resume (resume.allow_changed): scaling starts fresh
-    if "trainer.shuffle_version" not in saved_keys:
+    missing = [k for k in state["trainer"] if f"trainer.{k}" not in saved_keys]
+    if "shuffle_version" in missing:
         raise CheckpointError(f"checkpoint {path} was written by a trainer version that shuffled the data another "
                               "way (shuffle_version 1); resuming would change the data order: finish the run with "
                               "that version, or start it over in a new dump_dir")
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks trainer.{missing[0]}: another trainer version wrote it, and "
+                              "this one cannot resume it")
     flags_to_set = _scale_flags_older_checkpoints_lack(state, saved_keys)
     missing = [name for name in state.get("fp8", {}) if f"fp8.{name}" not in saved_keys]
     if missing:
