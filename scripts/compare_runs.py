@@ -6,9 +6,9 @@ one verdict.
 
 Reads `metrics.jsonl` of both dump_dirs. Exit code 0 when every common step's loss, grad norm and eval
 loss (or the --fields given) agree within --rtol (default 0: bit for bit) and both runs logged the same
-steps and fields, 1 otherwise, 2 on unusable input (unreadable metrics, one folder given twice, nothing
-to compare). A non-finite value (logged as null) agrees only with a non-finite value at the same step
-(the verdict counts them); a field one run logged and the other did not is a difference. A partial last
+steps and fields, 1 otherwise, 2 when there is no verdict to trust (unreadable metrics, one metrics file
+given twice, no step in common, no value to compare, every value non-finite in both runs). A non-finite
+value (logged as null) agrees only with a non-finite value at the same step (the verdict counts them); a field one run logged and the other did not is a difference. A partial last
 line (a run still writing, or killed mid-line) is left out with a note. Notes on stderr name what the
 verdict cannot see: a run that logged fewer steps than its config's `steps`, and the config keys in
 which the runs differ (from train_config.json). --plot draws both loss curves and their difference;
@@ -19,6 +19,7 @@ numerics_matrix.sh).
 import argparse
 import json
 import math
+import os
 import statistics
 import struct
 import sys
@@ -35,15 +36,17 @@ class UnreadableMetrics(Exception):
 def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
     path = dump_dir / "metrics.jsonl"
     try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except OSError as e:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise UnreadableMetrics(f"{path} is not a readable metrics file: {e}") from None
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     records = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:
         try:
             records.append(json.loads(line))
         except ValueError as e:
-            if number < len(lines):
+            # Only an unterminated last line is a write in progress (or cut by a kill); any other is damage.
+            if number < lines[-1][0] or text.endswith("\n"):
                 raise UnreadableMetrics(f"{path} line {number} is not a JSON record: {e}") from None
             notes.append(f"{path}: its last line is partial (a run still writing, or killed mid-line): left out")
     try:
@@ -62,6 +65,8 @@ def config_notes(dump_a: Path, dump_b: Path, a: dict[int, dict], b: dict[int, di
     configs = [_flat_config(d) for d in (dump_a, dump_b)]
     notes = [f"{d}: logged up to step {max(r)} of its steps={c['steps']} (unfinished, or still running)"
              for d, r, c in zip((dump_a, dump_b), (a, b), configs) if isinstance(c.get("steps"), int) and max(r) < c["steps"]]
+    notes += [f"{d} has no readable train_config.json: the configs are not compared"
+              for d, c in zip((dump_a, dump_b), configs) if not c]
     if all(configs):
         differ = [f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in sorted(configs[0].keys() | configs[1].keys())
                   if k != "dump_dir" and configs[0].get(k) != configs[1].get(k)]
@@ -148,11 +153,13 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
         rows.append(f"{step:>6} | " + " | ".join(cells))
     only = sorted(a.keys() ^ b.keys())
     agree = worst[0] <= rtol and not only and bool(steps)
-    if steps and not compared:
-        raise UnreadableMetrics(f"no {', '.join(fields)} values to compare in the common steps")
     if not steps:
-        verdict = "no common steps"
-    elif worst[0] == 0.0:
+        raise UnreadableMetrics("the runs logged no step in common: nothing to compare")
+    if not compared:
+        raise UnreadableMetrics(f"no {', '.join(fields)} values to compare in the common steps")
+    if both_non_finite == compared:
+        raise UnreadableMetrics(f"all {compared} compared values are non-finite in both runs: nothing trained to compare")
+    if worst[0] == 0.0:
         verdict = f"bitwise equal over {len(steps)} steps"
         if both_non_finite:
             verdict += f" ({both_non_finite} of {compared} values non-finite in both runs)"
@@ -199,16 +206,24 @@ def plot(a: dict[int, dict], b: dict[int, dict], labels: tuple[str, str], out: s
 
 def tolerance(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    if not (value >= 0 and math.isfinite(value)):  # inf would pass values missing in one run
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
 def field_list(text: str) -> tuple[str, ...]:
-    fields = tuple(f for f in text.split(",") if f)
+    fields = tuple(dict.fromkeys(f for f in text.split(",") if f))
     if not fields or set(fields) - set(FIELDS):
         raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {','.join(FIELDS)}, got {text!r}")
     return fields
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One folder given twice, through another path, a symlink or a hard link."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     notes: list[str] = []
     try:
-        if opts.dump_a.resolve() == opts.dump_b.resolve():
-            raise UnreadableMetrics(f"{opts.dump_a} is given twice: a run compared with itself proves nothing")
+        if _same_file(opts.dump_a / "metrics.jsonl", opts.dump_b / "metrics.jsonl"):
+            raise UnreadableMetrics(f"{opts.dump_a} and {opts.dump_b} hold the same metrics file: a run compared with "
+                                    "itself proves nothing")
         a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
         rows, verdict, agree = compare(a, b, opts.rtol, opts.fields)
     except UnreadableMetrics as e:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b):

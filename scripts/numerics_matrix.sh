@@ -77,10 +77,10 @@ for row in "${ROWS[@]}"; do
     fi
   done
   if [ -z "$result" ]; then
-    # The verdict, or compare_runs' error line when it has none (its notes stay in the log).
+    # The verdict, or compare_runs' error (its last stderr line) when it has none; notes stay in the .err file.
     result=$("$PY" scripts/compare_runs.py "$OUT/$slug-concat_false" "$OUT/$slug-concat_true" --brief \
              2> "$OUT/$slug-compare.err") || status=1
-    [ -n "$result" ] || result=$(grep -m1 '^error:' "$OUT/$slug-compare.err")
+    [ -n "$result" ] || result=$(tail -n 1 "$OUT/$slug-compare.err")
   fi
   printf '| %-38s | %-60s |\n' "$name" "$result"
 done

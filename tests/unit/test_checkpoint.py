@@ -90,6 +90,11 @@ def test_a_checkpoint_of_the_older_shuffle_is_refused(tmp_path, world):
     with pytest.raises(CheckpointError, match="shuffled the data another way .shuffle_version 1.; resuming would "
                                               "change the data order"):
         load_into(path, run_state({}), rng=None, sampler=None, group=world)
+    newer = run_state({})
+    newer["trainer"]["epoch_offset"] = torch.tensor(0)  # a key this checkpoint's trainer did not write
+    path = save_checkpoint(tmp_path / "v2", 3, run_state({}), world, rank=0, extra_files={})
+    with pytest.raises(CheckpointError, match="lacks trainer.epoch_offset: another trainer version wrote it"):
+        load_into(path, newer, rng=None, sampler=None, group=world)
 
 
 def test_fp8_state_of_the_other_implementation_is_one_clear_error(tmp_path, world):

@@ -107,16 +107,27 @@ def test_unreadable_or_duplicated_metrics_exit_2_with_one_line(tmp_path, capsys)
 
 
 def test_misuse_that_would_prove_nothing_exits_2(tmp_path, capsys):
-    """A folder given twice, files without any compared value, an empty file: no verdict to trust."""
+    """One metrics file given twice (also through a hard link), files without any compared value, an
+    empty or undecodable file, no common step, nothing but non-finite values: no verdict to trust."""
     a = _dump(tmp_path / "a", [6.9, 6.1])
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "metrics.jsonl").hardlink_to(a / "metrics.jsonl")
     no_values = _write(tmp_path / "nolosses", [{"step": 1, "lr": 1e-3}, {"step": 2, "lr": 1e-3}])
     empty = _write(tmp_path / "empty", [])
-    cases = ((a, tmp_path / "a" / ".", "given twice"), (no_values, _write(tmp_path / "nolosses2", [{"step": 1}, {"step": 2}]),
-             "no loss, grad_norm, eval_loss values to compare"), (a, empty, "holds no records"))
+    binary = _write(tmp_path / "binary", [])
+    (binary / "metrics.jsonl").write_bytes(b'\xff\xfe{"step": 1}\n')
+    later = _write(tmp_path / "later", [{"step": 3, "loss": 5.0}])
+    skipped = [{"step": s, "loss": None, "grad_norm": None} for s in (1, 2)]
+    cases = ((a, tmp_path / "a" / ".", "same metrics file"), (a, linked, "same metrics file"),
+             (no_values, _write(tmp_path / "nolosses2", [{"step": 1}, {"step": 2}]),
+              "no loss, grad_norm, eval_loss values to compare"), (a, empty, "holds no records"),
+             (a, binary, "is not a readable metrics file"), (a, later, "no step in common"),
+             (_write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped), "all 4 compared values are non-finite"))
     for first, second, fragment in cases:
         assert compare_runs.main([str(first), str(second)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and fragment in err[0], err
+        assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
     assert compare_runs.main([str(a), str(_dump(tmp_path / "b", [6.9, 6.1])), "--plot", "/no/such/dir/x.png"]) == 2
     assert "error: --plot /no/such/dir/x.png" in capsys.readouterr().err
 
@@ -135,10 +146,23 @@ def test_partial_last_line_non_finite_values_unfinished_runs_and_config_differen
     assert any("last line is partial" in n for n in notes), notes
     assert any(f"{b}: logged up to step 3 of its steps=6" in n for n in notes), notes
     assert any("configs differ in: optimize_backward_concat (False vs True), steps (3 vs 6)" in n for n in notes), notes
-    skipped = [{"step": s, "loss": None, "grad_norm": None} for s in (1, 2)]
+    skipped = [{"step": 1, "loss": 6.9, "grad_norm": 1.0}, {"step": 2, "loss": None, "grad_norm": None}]
     x, y = _write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped)
     assert compare_runs.main([str(x), str(y)]) == 0
-    assert "(4 of 4 values non-finite in both runs)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "(2 of 4 values non-finite in both runs)" in captured.out
+    assert f"{x} has no readable train_config.json" in captured.err
+
+
+def test_a_malformed_line_is_named_by_its_line_number_and_only_an_unterminated_last_one_is_partial(tmp_path, capsys):
+    a = _dump(tmp_path / "a", [6.9, 6.1])
+    b = _write(tmp_path / "b", [])
+    (b / "metrics.jsonl").write_text('\n\n{"step": 1, "loss": 6.9}\nBAD\n{"step": 2, "loss": 6.1}\n')
+    assert compare_runs.main([str(a), str(b)]) == 2
+    assert "line 4 is not a JSON record" in capsys.readouterr().err
+    (b / "metrics.jsonl").write_text('{"step": 1, "loss": 6.9}\n{"step": 2, "lo\n')  # ends with a newline: damage
+    assert compare_runs.main([str(a), str(b)]) == 2
+    assert "line 2 is not a JSON record" in capsys.readouterr().err
 
 
 def test_fields_and_tolerance_are_checked(tmp_path, capsys):
@@ -147,7 +171,7 @@ def test_fields_and_tolerance_are_checked(tmp_path, capsys):
     assert compare_runs.main([str(a), str(with_eval)]) == 1  # eval_loss logged by one run only
     assert compare_runs.main([str(a), str(with_eval), "--fields", "loss,grad_norm"]) == 0
     capsys.readouterr()
-    for bad in (["--rtol", "nan"], ["--rtol=-1e-6"], ["--fields", "lr"]):
+    for bad in (["--rtol", "nan"], ["--rtol=-1e-6"], ["--rtol", "inf"], ["--fields", "lr"]):
         try:
             compare_runs.main([str(a), str(with_eval), *bad])
         except SystemExit as e:
