@@ -38,6 +38,7 @@ _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KER
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sample", "eval.steps")
+# fp8's own settings: compared only while saved fp8 scaling state carries over (fp8 on before and now).
 _FP8_DETAILS = (*FP8, "model.fp8_wgrad", "model.fp8_amax_history_len")
 # Keys a resume may change when the user names them in resume.allow_changed.
 ALLOWABLE = (*SCHEDULE, "optim.decay_steps", *PRECISION, *KERNELS, "eval.steps")

@@ -33,19 +33,24 @@ class GlobalBatchSampler:
 
     def global_indices(self, step: int) -> np.ndarray:
         """Sequence indices of optimizer step `step` (0-based), in global-batch order."""
-        if step < 0:
-            raise ValueError(f"step={step} must be >= 0")
-        epoch, position = divmod(step, self.steps_per_epoch)
-        start = position * self.global_batch_size
-        positions = np.arange(start, start + self.global_batch_size, dtype=np.int64)
-        return RandomPermutation(self.num_sequences, self.seed, epoch)[positions]
+        return self._read(step, 0, self.global_batch_size)
 
     def rank_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """The contiguous slice of step `step`'s global batch that data-parallel rank `dp_rank` trains on."""
         per_rank = per_rank_batch_size(self.global_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
-        return self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        return self._read(step, dp_rank * per_rank, per_rank)
+
+    def _read(self, step: int, offset: int, count: int) -> np.ndarray:
+        """`count` indices from `offset` in step `step`'s global batch: the permutation is read at
+        just those positions, so a rank never computes the others' share."""
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.global_batch_size + offset
+        positions = np.arange(start, start + count, dtype=np.int64)
+        return RandomPermutation(self.num_sequences, self.seed, epoch)[positions]
 
     def state_dict(self) -> dict[str, int]:
         """What fixes the data order. The position needs no state: step s's batch is a pure function
