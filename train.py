@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.mesh import LaunchEnv
 from trainer.config import from_dict
@@ -21,6 +22,7 @@ from trainer.run import run
 from trainer.validate import validate
 
 RANK0_FIRST_S = 2.0
+PEERS_TIME_OUT_S = 3.0
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -84,6 +86,10 @@ def main(raw: DictConfig) -> None:
         if lost_a_peer(e):
             time.sleep(RANK0_FIRST_S)
         print(f"error: rank {launch.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, CommTimeout):
+            # Every rank waiting in the stalled collective times out, each by its own clock: stay a moment,
+            # or torchrun stops the peers whose timeout fires just after this one before they can say so.
+            time.sleep(PEERS_TIME_OUT_S)
         sys.exit(1)
 
 

@@ -131,8 +131,10 @@ def set_phase(text: str) -> None:
 
 
 def _timed_out(e: RuntimeError) -> bool:
-    text = str(e)
-    return "Timed out" in text or "timed out" in text or "Timeout" in text
+    """The collective's own timeout, or (gloo) a peer's timeout in the same collective, which closes the
+    connection: "Application timeout caused pair closure"."""
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
 
 
 @contextmanager

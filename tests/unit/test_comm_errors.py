@@ -1,0 +1,37 @@
+"""A collective's failure becomes one CommTimeout line only when it is a timeout, whatever gloo's or NCCL's
+wording; any other error passes through unchanged."""
+
+import pytest
+
+from parallel import comm
+
+
+@pytest.fixture
+def ledger_at_step_3():
+    comm.LEDGER.reset(step=3)
+    comm.LEDGER.timeout_s = 5.0
+    comm.set_where("unit", "backward of layers.1")
+    yield
+    comm.LEDGER.reset()
+    comm.LEDGER.timeout_s = None
+
+
+@pytest.mark.parametrize("wording", [
+    "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation to complete",
+    "Application timeout caused pair closure",  # gloo, on a rank whose peer timed out first
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=REDUCE_SCATTER)",
+])
+def test_a_timeout_in_any_wording_names_the_op_group_step_and_unit(ledger_at_step_3, wording):
+    with pytest.raises(comm.CommTimeout) as caught:
+        with comm.traced("wait reduce_scatter", None, "head"):
+            raise RuntimeError(wording)
+    assert str(caught.value) == ("reduce_scatter of head on group world did not complete within "
+                                 "comm_timeout_s=5 (step 3, backward of layers.1)")
+    assert str(caught.value.__cause__) == wording
+
+
+def test_other_errors_pass_through(ledger_at_step_3):
+    with pytest.raises(RuntimeError) as caught:
+        with comm.traced("all_reduce", None):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    assert type(caught.value) is RuntimeError
