@@ -7,6 +7,11 @@ dead process on this host, or whose heartbeat stopped (a holder on another node 
 earlier attempt of the same torchrun job (its restart, which may put rank 0 on another node, comes
 only after torchrun stopped every worker of that attempt), is stale and taken over. Anything else is
 a live job, and the newcomer is refused in one line naming it.
+
+Only one newcomer at a time judges and removes a stale lock, inside `{dump_dir}/.lock.takeover` (also
+created exclusively): two newcomers that both found the lock stale would otherwise both remove it, the
+second removing the first's fresh lock, and both would write into the folder. A takeover guard left by a
+newcomer that died inside those few milliseconds is removed once it is STALE_AFTER_S old.
 """
 
 import json
@@ -22,6 +27,9 @@ from parallel import comm
 from parallel.errors import ConfigError
 
 LOCK_FILE = ".lock"
+TAKEOVER_FILE = ".lock.takeover"
+TAKEOVER_TRIES = 20
+TAKEOVER_RETRY_S = 0.1
 HEARTBEAT_S = 2.0
 STALE_AFTER_S = 30.0
 
@@ -37,21 +45,40 @@ class DumpDirLock:
 
     def acquire(self) -> str | None:
         """Take the lock; returns None, or a description of the live job that holds it."""
-        for _ in range(3):  # a stale lock is removed and the create retried (another taker may win)
+        for _ in range(TAKEOVER_TRIES):  # a stale lock is removed and the create retried (another taker may win)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self._holder()
+                holder = self._remove_if_stale()
                 if holder is not None:
                     return holder
-                self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.owner, f)
             self._heartbeat = threading.Thread(target=self._beat, name="dump-dir-lock", daemon=True)
             self._heartbeat.start()
             return None
-        return "another job that keeps taking it"
+        return "another job that is taking it over"
+
+    def _remove_if_stale(self) -> str | None:
+        """Under the takeover guard: remove the lock if it is stale; returns its live holder otherwise.
+        None also when another newcomer holds the guard (the caller retries)."""
+        guard = self.path.with_name(TAKEOVER_FILE)
+        try:
+            os.close(os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            if _age(guard) > STALE_AFTER_S:
+                guard.unlink(missing_ok=True)
+            else:
+                time.sleep(TAKEOVER_RETRY_S)
+            return None
+        try:
+            holder = self._holder()
+            if holder is None:
+                self.path.unlink(missing_ok=True)
+            return holder
+        finally:
+            guard.unlink(missing_ok=True)
 
     def _holder(self) -> str | None:
         """The live holder's description; None if the lock is stale."""
@@ -89,6 +116,13 @@ class DumpDirLock:
                 self.path.unlink()
         except (FileNotFoundError, ValueError):
             pass
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _alive(pid: int) -> bool:

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from trainer.dump_dir import LOCK_FILE, STALE_AFTER_S, DumpDirLock, _unwritable
+from trainer import dump_dir
+from trainer.dump_dir import LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable
 
 
 def _dead_pid() -> int:
@@ -43,6 +44,54 @@ def test_a_lock_whose_holder_died_or_went_silent_is_taken_over(tmp_path):
     os.utime(lock, (past, past))
     taker = DumpDirLock(tmp_path, "new")
     assert taker.acquire() is None
+    taker.release()
+
+
+def _stale_lock(folder) -> None:
+    lock = folder / LOCK_FILE
+    lock.write_text(json.dumps({"host": "another-node", "pid": 1, "job": "crashed", "since": 0}))
+    past = time.time() - STALE_AFTER_S - 1
+    os.utime(lock, (past, past))
+
+
+def test_two_newcomers_never_both_take_over_one_stale_lock(tmp_path, monkeypatch):
+    """Newcomer A takes the stale lock over between newcomer B's verdict (stale) and B's removal of it:
+    B must not remove A's fresh lock, so exactly one of them owns the folder."""
+    monkeypatch.setattr(dump_dir, "TAKEOVER_RETRY_S", 0.0)
+    _stale_lock(tmp_path)
+    a, b = DumpDirLock(tmp_path, "job-a"), DumpDirLock(tmp_path, "job-b")
+    b_verdict = b._holder
+    results = {}
+
+    def b_judges_while_a_takes_over():
+        verdict = b_verdict()
+        results["a"] = a.acquire()
+        return verdict
+
+    monkeypatch.setattr(b, "_holder", b_judges_while_a_takes_over)
+    results["b"] = b.acquire()
+    try:
+        owners = [name for name in "ab" if results[name] is None]
+        assert len(owners) == 1, results
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == f"job-{owners[0]}"
+        assert not (tmp_path / TAKEOVER_FILE).exists()
+        later = DumpDirLock(tmp_path, "job-c").acquire()
+        assert later is not None and f"job job-{owners[0]}" in later
+    finally:
+        a.release()
+        b.release()
+
+
+def test_a_takeover_guard_left_by_a_dead_newcomer_expires(tmp_path):
+    _stale_lock(tmp_path)
+    guard = tmp_path / TAKEOVER_FILE
+    guard.write_text("")
+    past = time.time() - STALE_AFTER_S - 1
+    os.utime(guard, (past, past))
+    taker = DumpDirLock(tmp_path, "new")
+    assert taker.acquire() is None
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == "new"
+    assert not guard.exists()
     taker.release()
 
 
