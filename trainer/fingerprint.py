@@ -37,7 +37,7 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KERNELS, "model.fp8_amax_history_len")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
-_ABSENT_MEANS_UNKNOWN = ("data_sample", "eval.steps")
+_ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")
 # fp8's own settings: compared only while saved fp8 scaling state carries over (fp8 on before and now).
 _FP8_DETAILS = (*FP8, "model.fp8_wgrad", "model.fp8_amax_history_len")
 # Keys a resume may change when the user names them in resume.allow_changed.
@@ -52,6 +52,7 @@ _HINTS = {
     "eval.steps": "eval_loss averages this many held-out batches: another count measures another subset",
     "data": "data.source (or its packed tokens) changed",
     "data_sample": "data.source (or its packed tokens) changed",
+    "data_sha256": "data.source (or its packed tokens) changed",
     "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "
                          "that batch_size x dp_shard x dp_replicate stays {old}",
 }
@@ -60,17 +61,18 @@ _HINTS = {
 DATA_BLOCKS, DATA_BLOCK_BYTES = 64, 64 << 10
 
 
-def data_fingerprint(tokens_file: Path, num_tokens: int) -> dict[str, str]:
-    """Content hashes of the packed tokens, with their count, that read at most 6 MiB whatever the
-    corpus' size (a whole-file hash would read terabytes at every start):
-      data         the first and the last MiB
-      data_sample  64 blocks of 64 KiB spread evenly over the file (a file up to 4 MiB whole), which
-                   sees a same-length edit in the middle; checkpoints older than it lack the key."""
+def data_fingerprint(tokens_file: Path, num_tokens: int, tokens_sha256: str) -> dict[str, str]:
+    """Content hashes of the packed tokens:
+      data_sha256  of every byte, computed as the cache was written (recorded in its meta.json), so any
+                   change of the data is seen without reading terabytes at every start
+      data         the first and the last MiB, with the token count
+      data_sample  64 blocks of 64 KiB spread evenly over the file (a file up to 4 MiB whole)
+    Checkpoints older than data_sha256 (or data_sample) lack it and are checked by the sampled hashes."""
     size = tokens_file.stat().st_size
     last_start = max(0, size - DATA_BLOCK_BYTES)
     spread = sorted({last_start * i // (DATA_BLOCKS - 1) for i in range(DATA_BLOCKS)})
     ends = [(0, 1 << 20), (max(0, size - (1 << 20)), 1 << 20)]
-    return {"data": _hash_blocks(tokens_file, num_tokens, ends),
+    return {"data_sha256": tokens_sha256[:16], "data": _hash_blocks(tokens_file, num_tokens, ends),
             "data_sample": _hash_blocks(tokens_file, num_tokens, [(s, DATA_BLOCK_BYTES) for s in spread])}
 
 

@@ -137,7 +137,8 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
                     rank=launch.rank, layout=mesh.dims)
     fingerprint = run_fingerprint(
         cfg, dtype_name, loader.sampler.global_batch_size,
-        file_sha256(Path(tokenizer.model_path)), data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens),
+        file_sha256(Path(tokenizer.model_path)),
+        data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens, loader.tokens.meta["tokens_sha256"]),
     )
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
                         launch.run_id, log)
@@ -146,6 +147,9 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         log(f"initialized the weights from {cfg.checkpoint.init_from_hf}" + (
             " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
             "separately from here; an export writes both, untied)" if tied else ""))
+    elif cfg.checkpoint.init_from_hf:
+        log(f"checkpoint.init_from_hf={cfg.checkpoint.init_from_hf}: not read, the weights come from the "
+            f"resumed step {start_step} checkpoint")
     if start_step == cfg.steps:
         log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
         return

@@ -286,7 +286,7 @@ def test_resume_refuses_another_corpus_with_the_same_sequence_count(tmp_path):
     proc = train(0, dump, *FAST, "steps=4", "optim.decay_steps=4", f"data.source={corpora['b']}",
                  f"data.cache_dir={cache}", f"data.tokenizer={dump / 'checkpoints' / 'step_2' / 'tokenizer.model'}",
                  timeout=120)
-    assert_one_error(proc, "would change the run", "data.source (or its packed tokens) changed")
+    assert_one_error(proc, "would change the run", "data.source (or its packed tokens) changed", "data_sha256 '")
     assert "tokenizer" not in proc.stderr.split("would change the run")[1]
     counts = {json.loads(p.read_text())["num_tokens"] for p in cache.glob("tokens-*/meta.json")}
     assert len(list(cache.glob("tokens-*/meta.json"))) == 2 and len(counts) == 1, counts

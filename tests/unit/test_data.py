@@ -1,5 +1,6 @@
 """Data pipeline: tokenizer, packed tokens, layout-independent sampler, cache, microbatches."""
 
+import hashlib
 import json
 import os
 import random
@@ -16,7 +17,9 @@ import torch
 from parallel.errors import ConfigError
 from trainer.data import BatchLoader, default_corpus_files, prepare_dataset, resolve_source_files
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
-from trainer.token_shards import PackedTokens, is_complete, sources_fingerprint, write_packed_tokens
+from trainer.token_shards import (
+    TOKENS_FILE, PackedTokens, file_sha256, is_complete, sources_fingerprint, write_packed_tokens,
+)
 from trainer.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
@@ -97,6 +100,9 @@ def test_packed_tokens_match_direct_encoding(
     assert packed.num_tokens == len(expected)
     assert packed.meta["dtype"] == "uint16" and packed.meta["num_documents"] == len(documents)
     assert packed.meta["vocab_size"] == VOCAB and len(packed.meta["tokenizer_sha256"]) == 64
+    # The hash of every byte written, computed while writing: what a resume compares.
+    assert packed.meta["tokens_sha256"] == file_sha256(packed.path / TOKENS_FILE)
+    assert packed.meta["tokens_sha256"] == hashlib.sha256(np.asarray(expected, np.uint16).tobytes()).hexdigest()
     seq_len = 16
     assert packed.num_sequences(seq_len) == (len(expected) - 1) // seq_len
     for index in (0, 3, packed.num_sequences(seq_len) - 1):

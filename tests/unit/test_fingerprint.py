@@ -9,7 +9,7 @@ from trainer.config import from_dict
 from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, data_fingerprint, run_fingerprint
 
 
-DATA = {"data": "d" * 16, "data_sample": "s" * 16}
+DATA = {"data_sha256": "h" * 16, "data": "d" * 16, "data_sample": "s" * 16}
 
 
 def _fingerprint(**model) -> dict:
@@ -76,19 +76,28 @@ def test_data_fingerprint_sees_a_change_anywhere_in_a_small_file(tmp_path):
     tokens = tmp_path / "tokens.bin"
     data = bytearray(range(256)) * (3 << 12)  # 3 MiB
     tokens.write_bytes(data)
-    before = data_fingerprint(tokens, 100)["data_sample"]
+    before = data_fingerprint(tokens, 100, "0" * 64)["data_sample"]
     for offset in (0, len(data) // 3, len(data) // 2 + 12345, len(data) - 1):
         changed = bytearray(data)
         changed[offset] ^= 1
         tokens.write_bytes(changed)
-        assert data_fingerprint(tokens, 100)["data_sample"] != before, offset
+        assert data_fingerprint(tokens, 100, "0" * 64)["data_sample"] != before, offset
     tokens.write_bytes(data)
-    assert data_fingerprint(tokens, 100)["data_sample"] == before
-    assert data_fingerprint(tokens, 101)["data_sample"] != before
+    assert data_fingerprint(tokens, 100, "0" * 64)["data_sample"] == before
+    assert data_fingerprint(tokens, 101, "0" * 64)["data_sample"] != before
 
 
-def test_a_checkpoint_older_than_the_data_sample_is_checked_by_the_rest(tmp_path):
-    saved = _saved(tmp_path, _fingerprint(), drop=("data_sample",))
+def test_data_fingerprint_carries_the_whole_file_hash_recorded_at_packing(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(1000))
+    assert data_fingerprint(tokens, 500, "ab" * 32)["data_sha256"] == "ab" * 8
+
+
+def test_any_data_change_is_refused_and_older_checkpoints_are_checked_by_the_sampled_hashes(tmp_path):
+    """The sampled hashes miss a same-length edit between their blocks; the whole-file hash does not."""
+    with pytest.raises(ConfigError, match="data_sha256 'hhhhhhhhhhhhhhhh' -> 'iiiiiiiiiiiiiiii'"):
+        check_resumable(_saved(tmp_path, _fingerprint()), _fingerprint() | {"data_sha256": "i" * 16}, allowed=[])
+    saved = _saved(tmp_path, _fingerprint(), drop=("data_sample", "data_sha256"))
     check_resumable(saved, _fingerprint(), allowed=[])
     with pytest.raises(ConfigError, match="data 'dddddddddddddddd' -> 'eeeeeeeeeeeeeeee'"):
         check_resumable(saved, _fingerprint() | {"data": "e" * 16}, allowed=[])
