@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from model.transformer import Transformer
 from parallel.errors import ConfigError
-from tests.e2e.launch import DATA_CACHE, REPO, train_ok
+from tests.e2e.launch import DATA_CACHE, REPO, train, train_ok
 from trainer.config import TrainConfig, from_dict
 from trainer.data import prepare_dataset
 from trainer.hf_import import check_hf_folder, run_tokenizer, tensor_files
@@ -80,6 +80,14 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, exported[name]), name
+
+    # A resume takes the checkpoint's weights, and says that it did not read the folder.
+    frozen = [o for o in FROZEN if not o.startswith("steps=")]
+    resumed = train(4, dump, *frozen, "steps=2", "optim.decay_steps=1", "model_parallel_size=2", "model.sequence_parallel=true",
+                    "batch_size=2", f"checkpoint.init_from_hf={hf_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint.init_from_hf={hf_dir}: not read, the weights come from the resumed step 1 checkpoint" \
+        in resumed.stdout + resumed.stderr
 
 
 def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
