@@ -1,5 +1,6 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -74,9 +75,19 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
     raw["dump_dir"] = f"{raw['dump_dir']}/{hydra_cfg.job.num}"
 
 
+class Terminated(BaseException):
+    """SIGTERM (torchrun passing on its own, a scheduler cancelling the job): like Ctrl-C, not an error
+    that `except Exception` may swallow."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(raw: DictConfig) -> None:
     launch = LaunchEnv.from_torchrun()
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         train_or_exit(raw, launch)
     except Exception as e:
@@ -111,11 +122,12 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
     except (ConfigError, FloatingPointError) as e:
         # Ranks see the same bad input (or the same reduced gradient norm).
         exit_on_bad_input(str(e), launch, code=2 if isinstance(e, ConfigError) else 3)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
+        terminated = isinstance(e, Terminated)
         if launch.rank == 0:
-            print("interrupted: stopped before the next checkpoint; a restart resumes from the newest one",
-                  file=sys.stderr, flush=True)
-        sys.exit(130)
+            print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: stopped before the next checkpoint; "
+                  "a restart resumes from the newest one", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM if terminated else 130)
 
 
 def register_sweep_launchers() -> None:

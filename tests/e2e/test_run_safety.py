@@ -258,18 +258,25 @@ def test_export_of_a_dump_dir_names_its_checkpoint(tmp_path, checkpointed):
     assert_one_error(proc, "is not a checkpoint", "newest complete checkpoint is", "step_4")
 
 
-def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, how):
     dump = tmp_path / "run"
     job = subprocess.Popen(command(2, dump, *FAST, "steps=100000"), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not (dump / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    if how == "ctrl-c":
+        os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+        line = "interrupted: "
+    else:
+        os.kill(job.pid, signal.SIGTERM)  # `kill` of torchrun alone: it passes SIGTERM on to its workers
+        line = "terminated (SIGTERM): "
     _, stderr = job.communicate(timeout=60)
     assert job.returncode != 0
-    assert stderr.count("interrupted: ") == 1, stderr[-3000:]
-    assert "KeyboardInterrupt" not in stderr  # no per-rank tracebacks (torchrun's own summary remains)
+    assert stderr.count(line) == 1, stderr[-3000:]
+    assert "stopped before the next checkpoint; a restart resumes from the newest one" in stderr
+    assert "KeyboardInterrupt" not in stderr and "Terminated" not in stderr  # no per-rank tracebacks
 
 
 def test_resume_refuses_another_corpus_with_the_same_sequence_count(tmp_path):
