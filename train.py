@@ -58,8 +58,15 @@ def exit_on_bad_input(message: str, launch: LaunchEnv, code: int) -> None:
     if launch.rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
-        time.sleep(RANK0_FIRST_S)
+        linger(RANK0_FIRST_S)
     sys.exit(code)
+
+
+def linger(seconds: float) -> None:
+    """Wait before exiting with a failure already decided: torchrun's SIGTERM, which comes as soon as
+    another rank has exited, now just ends this rank (no traceback, no second line)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(seconds)
 
 
 def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
@@ -95,12 +102,12 @@ def main(raw: DictConfig) -> None:
         # is in torchrun's failure summary, from the error file @record wrote. A collective broken by a
         # peer that died first is only the echo of that failure: torchrun stops this rank while it waits.
         if lost_a_peer(e):
-            time.sleep(RANK0_FIRST_S)
+            linger(RANK0_FIRST_S)
         print(f"error: rank {launch.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if isinstance(e, CommTimeout):
             # Every rank waiting in the stalled collective times out, each by its own clock: stay a moment,
             # or torchrun stops the peers whose timeout fires just after this one before they can say so.
-            time.sleep(PEERS_TIME_OUT_S)
+            linger(PEERS_TIME_OUT_S)
         sys.exit(1)
 
 

@@ -80,9 +80,12 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def assert_one_error(proc, *fragments: str) -> None:
-    """Non-zero exit and exactly one `error:` line holding every fragment."""
+    """Non-zero exit and exactly one `error:` line holding every fragment, and no rank's own traceback
+    (torchrun's failure report, from the line where it names the failed worker on, may hold some)."""
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
+    before_torchrun_report = proc.stderr.split("failed (exitcode")[0]
+    assert "Traceback (most recent call last)" not in before_torchrun_report, proc.stderr[-5000:]
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
