@@ -32,7 +32,8 @@ SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 # Bump when the cache layout or packing format changes, so old caches are not reused.
-CACHE_VERSION = 2  # 2: meta.json records the packed tokens' sha256
+# 2: meta.json records the packed tokens' sha256; documents are packed byte-exact, empty ones dropped.
+CACHE_VERSION = 2
 # A waiting rank trusts an error marker older than itself only once it outlives this grace period:
 # a live main rank deletes stale markers as it starts, a main rank that already failed does not.
 STALE_MARKER_GRACE_S = 10.0

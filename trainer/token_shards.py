@@ -171,6 +171,8 @@ def _write_tokens(
                 packer.add(document)
             packer.end_file()
         packer.flush()
+        if packer.num_documents == 0:
+            raise ConfigError("data.source holds no text (empty files, or empty \"text\" fields only)")
         out.flush()
         os.fsync(out.fileno())
     progress.finish()

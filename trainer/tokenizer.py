@@ -83,17 +83,21 @@ def not_text_reason(path: Path) -> str | None:
 
 
 def iter_documents(path: Path) -> Iterator[str]:
-    """Yields the documents of one file: each line's "text" for .jsonl, else the whole file."""
+    """Yields the documents of one file: each line's "text" for .jsonl, else the whole file, as written
+    (line endings kept: CRLF stays CRLF). A document with no text (an empty file or "text") is none."""
     reason = not_text_reason(path)
     if reason is not None:
         raise ConfigError(f"data.source file {path} {reason}")
     if path.suffix != ".jsonl":
-        yield path.read_text(encoding="utf-8", errors="replace")
+        with path.open(encoding="utf-8", errors="replace", newline="") as f:
+            text = f.read()
+        if text:
+            yield text
         return
     with path.open(encoding="utf-8", errors="replace") as f:
         for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                yield _jsonl_text(line, path, line_no)
+            if line.strip() and (text := _jsonl_text(line, path, line_no)):
+                yield text
 
 
 def _jsonl_text(line: str, path: Path, line_no: int) -> str:

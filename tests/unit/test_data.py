@@ -20,7 +20,7 @@ from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.token_shards import (
     TOKENS_FILE, PackedTokens, file_sha256, is_complete, sources_fingerprint, write_packed_tokens,
 )
-from trainer.tokenizer import Tokenizer, train_tokenizer
+from trainer.tokenizer import Tokenizer, iter_documents, train_tokenizer
 
 VOCAB = 320
 SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
@@ -109,6 +109,32 @@ def test_packed_tokens_match_direct_encoding(
         window = packed.sequence(index, seq_len)
         assert window.dtype == np.int64
         assert window.tolist() == expected[index * seq_len : index * seq_len + seq_len + 1]
+
+
+def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")  # CRLF and a lone CR, as written
+    (root / "b.txt").write_bytes(b"")
+    (root / "c.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "x\r\ny"}) + "\n")
+    files = resolve_source_files(str(root))
+    documents = [doc for path in files for doc in iter_documents(path)]
+    assert documents == ["one\r\ntwo\rthree\n", "x\r\ny"]
+    packed = PackedTokens(write_packed_tokens(files, tokenizer, tmp_path / "packed", progress=lambda line: None))
+    expected = [t for doc in documents for t in [1, *tokenizer.encode(doc), 2]]
+    assert packed.meta["num_documents"] == 2
+    assert packed.sequence(0, packed.num_tokens - 1).tolist() == expected
+    assert tokenizer.decode(tokenizer.encode(documents[0])) == documents[0]
+
+
+def test_a_source_with_no_text_is_one_line(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"")
+    (root / "b.jsonl").write_text(json.dumps({"text": ""}) + "\n\n")
+    with pytest.raises(ConfigError, match=r'^data.source holds no text \(empty files, or empty "text" fields only\)$'):
+        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=lambda line: None)
+    assert not any(p.name.startswith(".packed") for p in tmp_path.iterdir())  # nothing half-written left
 
 
 def test_packed_tokens_too_short_names_seq_len(packed: PackedTokens) -> None:
@@ -356,7 +382,9 @@ def test_default_corpus_end_to_end() -> None:
     assert not any({"test", "tests", "site-packages"} & set(f.relative_to(stdlib).parts) for f in files)
     tokenizer, tokens = prepare_dataset(None, None, 512, SHARED_CACHE, True, lambda line: None)
     assert tokenizer.vocab_size == tokens.vocab_size == 512
-    assert tokens.num_tokens > 1_000_000 and tokens.meta["num_documents"] == len(files)
+    non_empty = [f for f in files if f.stat().st_size > 0]  # an empty __init__.py is no document
+    assert len(non_empty) < len(files)
+    assert tokens.num_tokens > 1_000_000 and tokens.meta["num_documents"] == len(non_empty)
     sampler = GlobalBatchSampler(tokens.num_sequences(128), global_batch_size=8, seed=0)
     inputs, _ = BatchLoader(tokens, sampler, 128, 0, 1, 4).batch(0)[0]
     assert inputs.shape == (4, 128) and int(inputs.max()) < 512
