@@ -6,12 +6,14 @@ job's rank 0 and holding who owns it. The holder touches it every few seconds; a
 dead process on this host, or whose heartbeat stopped (a holder on another node that died), or an
 earlier attempt of the same torchrun job (its restart, which may put rank 0 on another node, comes
 only after torchrun stopped every worker of that attempt), is stale and taken over. Anything else is
-a live job, and the newcomer is refused in one line naming it.
+a live job, and the newcomer is refused in one line naming it. A lock that looks stale by the
+newcomer's clock is watched for a few heartbeats first: a live holder touches it meanwhile, whatever
+the clocks of its node, of the newcomer's and of the file server say.
 
 Only one newcomer at a time judges and removes a stale lock, inside `{dump_dir}/.lock.takeover` (also
 created exclusively): two newcomers that both found the lock stale would otherwise both remove it, the
 second removing the first's fresh lock, and both would write into the folder. A takeover guard left by a
-newcomer that died inside those few milliseconds is removed once it is STALE_AFTER_S old.
+newcomer that died during its takeover is removed once it is STALE_AFTER_S old.
 """
 
 import json
@@ -28,10 +30,12 @@ from parallel.errors import ConfigError
 
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
-TAKEOVER_TRIES = 20
 TAKEOVER_RETRY_S = 0.1
 HEARTBEAT_S = 2.0
 STALE_AFTER_S = 30.0
+# A lock that looks stale by this host's clock is watched this long: a live holder touches it meanwhile
+# (its node's clock, or the file server's, may be far from ours).
+STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
 
 
 class DumpDirLock:
@@ -45,10 +49,15 @@ class DumpDirLock:
 
     def acquire(self) -> str | None:
         """Take the lock; returns None, or a description of the live job that holds it."""
-        for _ in range(TAKEOVER_TRIES):  # a stale lock is removed and the create retried (another taker may win)
+        # A stale lock is removed and the create retried (another taker may win); another newcomer's
+        # takeover takes at most STALE_CONFIRM_S.
+        deadline = time.monotonic() + 3 * STALE_CONFIRM_S + 1.0
+        while True:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
+                if time.monotonic() > deadline:
+                    return "another job that is taking it over"
                 holder = self._remove_if_stale()
                 if holder is not None:
                     return holder
@@ -58,7 +67,6 @@ class DumpDirLock:
             self._heartbeat = threading.Thread(target=self._beat, name="dump-dir-lock", daemon=True)
             self._heartbeat.start()
             return None
-        return "another job that is taking it over"
 
     def _remove_if_stale(self) -> str | None:
         """Under the takeover guard: remove the lock if it is stale; returns its live holder otherwise.
@@ -83,13 +91,13 @@ class DumpDirLock:
     def _holder(self) -> str | None:
         """The live holder's description; None if the lock is stale."""
         try:
-            age = time.time() - self.path.stat().st_mtime
+            mtime = self.path.stat().st_mtime
             owner = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
         except ValueError:  # being written right now: live unless it stays unreadable
-            return None if age > STALE_AFTER_S else "a job that is starting"
-        if age > STALE_AFTER_S:
+            return None if time.time() - mtime > STALE_AFTER_S else "a job that is starting"
+        if time.time() - mtime > STALE_AFTER_S and not self._still_touched(mtime):
             return None
         if owner.get("job") == self.owner["job"] and owner.get("attempt", self.owner["attempt"]) < self.owner["attempt"]:
             return None
@@ -97,6 +105,13 @@ class DumpDirLock:
             return None
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
         return f"job {owner.get('job')} (host {owner.get('host')}, pid {owner.get('pid')}, since {since})"
+
+    def _still_touched(self, mtime: float) -> bool:
+        time.sleep(STALE_CONFIRM_S)
+        try:
+            return self.path.stat().st_mtime != mtime
+        except FileNotFoundError:
+            return False
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

@@ -5,10 +5,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+
+import pytest
 
 from trainer import dump_dir
 from trainer.dump_dir import LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable
+
+
+@pytest.fixture(autouse=True)
+def short_stale_watch(monkeypatch):
+    monkeypatch.setattr(dump_dir, "STALE_CONFIRM_S", 0.3)
 
 
 def _dead_pid() -> int:
@@ -80,6 +88,29 @@ def test_two_newcomers_never_both_take_over_one_stale_lock(tmp_path, monkeypatch
     finally:
         a.release()
         b.release()
+
+
+def test_a_live_lock_that_looks_stale_by_this_hosts_clock_is_not_taken_over(tmp_path):
+    """The holder's node (or the file server) runs 60 s behind: its heartbeats stamp times that look
+    stale here, but they keep coming."""
+    _stale_lock(tmp_path)
+    lock, stop = tmp_path / LOCK_FILE, threading.Event()
+
+    def skewed_heartbeat():
+        while not stop.wait(0.05):
+            behind = time.time() - 60
+            os.utime(lock, (behind, behind))
+
+    beating = threading.Thread(target=skewed_heartbeat)
+    beating.start()
+    try:
+        holder = DumpDirLock(tmp_path, "new").acquire()
+    finally:
+        stop.set()
+        beating.join()
+    assert holder is not None and "job crashed (host another-node" in holder
+    assert DumpDirLock(tmp_path, "new").acquire() is None  # once the beats stop, it is stale
+    (tmp_path / LOCK_FILE).unlink()
 
 
 def test_a_takeover_guard_left_by_a_dead_newcomer_expires(tmp_path):
