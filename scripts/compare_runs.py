@@ -119,7 +119,9 @@ def rel_diff(a: object, b: object) -> float:
     """0 for equal values; inf where one is missing, non-finite (null, nan, inf) or not a number and
     the other is not the same; else |a - b| / max(|a|, |b|)."""
     if is_finite_number(a) and is_finite_number(b):
-        return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+        if a == b:  # 0.0 and -0.0 are equal but not bitwise: the smallest difference there is
+            return 0.0 if math.copysign(1, a) == math.copysign(1, b) else math.ulp(0.0)
+        return abs(a - b) / max(abs(a), abs(b))
     same_non_finite = not is_finite_number(a) and not is_finite_number(b) and a is not ABSENT and b is not ABSENT \
         and repr(a) == repr(b)
     return 0.0 if same_non_finite else math.inf

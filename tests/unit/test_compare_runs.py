@@ -50,6 +50,8 @@ def test_ulps_across_zero_and_signs():
     assert compare_runs.ulps(0.0, -0.0) == 0
     assert compare_runs.ulps(-1.0, math.nextafter(-1.0, 0.0)) == 1
     assert compare_runs.ulps(math.nextafter(0.0, -1.0), math.nextafter(0.0, 1.0)) == 2
+    # Numerically equal, 0 ulps apart, but not the same bits: not "bitwise equal", within any tolerance.
+    assert compare_runs.rel_diff(0.0, 0.0) == 0.0 and 0.0 < compare_runs.rel_diff(0.0, -0.0) < 1e-300
 
 
 def test_a_float32_value_differs_by_float32_ulps(tmp_path, capsys):
