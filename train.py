@@ -132,8 +132,11 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
     except (KeyboardInterrupt, Terminated) as e:
         terminated = isinstance(e, Terminated)
         if launch.rank == 0:
-            print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: stopped before the next checkpoint; "
-                  "a restart resumes from the newest one", file=sys.stderr, flush=True)
+            # torchrun's SIGTERM looks the same whether a peer failed or torchrun itself was stopped.
+            why = ("stopped by SIGTERM (torchrun sends it to every worker when one of them fails or when it is "
+                   "stopped itself)" if terminated else "interrupted")
+            print(f"{why}: stopped before the next checkpoint; a restart resumes from the newest one",
+                  file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM if terminated else 130)
 
 

@@ -271,7 +271,7 @@ def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, how):
         line = "interrupted: "
     else:
         os.kill(job.pid, signal.SIGTERM)  # `kill` of torchrun alone: it passes SIGTERM on to its workers
-        line = "terminated (SIGTERM): "
+        line = "stopped by SIGTERM (torchrun sends it to every worker when one of them fails or when it is stopped itself): "
     _, stderr = job.communicate(timeout=60)
     assert job.returncode != 0
     assert stderr.count(line) == 1, stderr[-3000:]
