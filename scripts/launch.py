@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.launch_command import dump_dir_of, positive_int, rendezvous_port, torchrun_args  # noqa: E402
+from scripts.launch_command import dump_dir_of, free_port, positive_int, rendezvous_port, torchrun_args  # noqa: E402
 
 
 class TrainOnNode:
@@ -33,8 +33,10 @@ class TrainOnNode:
     submitit's handler on the first task calls `checkpoint`, which waits for torchrun to exit before
     submitit requeues the job (a requeue kills what still runs)."""
 
-    def __init__(self, overrides: list[str], nproc_per_node: int, python: str):
+    def __init__(self, overrides: list[str], nproc_per_node: int, python: str, cwd: str | None = None):
+        """`cwd`: where relative paths in the overrides point (the submitting directory)."""
         self.overrides, self.nproc_per_node, self.python = overrides, nproc_per_node, python
+        self.cwd = cwd or os.getcwd()
         self.process: subprocess.Popen | None = None
 
     def __call__(self) -> int:
@@ -46,7 +48,7 @@ class TrainOnNode:
                              str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal)
         # An ignored signal stays ignored across exec: the agent keeps it so; the workers set a handler.
         ignore = partial(signal.signal, signal.Signals[f"SIG{stop_signal}"], signal.SIG_IGN)
-        self.process = subprocess.Popen(argv, cwd=REPO, preexec_fn=ignore)
+        self.process = subprocess.Popen(argv, cwd=self.cwd, preexec_fn=ignore)
         code = wait_for_exit(self.process.pid)
         if code != 0:
             raise RuntimeError(f"torchrun exited with {code}")
@@ -59,7 +61,7 @@ class TrainOnNode:
 
         if self.process is not None:
             wait_for_exit(self.process.pid)
-        return submitit.helpers.DelayedSubmission(TrainOnNode(self.overrides, self.nproc_per_node, self.python))
+        return submitit.helpers.DelayedSubmission(TrainOnNode(self.overrides, self.nproc_per_node, self.python, self.cwd))
 
 
 def wait_for_exit(pid: int) -> int | None:
@@ -102,9 +104,10 @@ def main() -> None:
     opts = parser.parse_args()
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else max(opts.gpus_per_node, 1)
     if opts.local:
-        argv = torchrun_args(1, nproc, "localhost:29500", f"local-{uuid.uuid4().hex[:8]}", opts.overrides, "dump/local", sys.executable)
+        argv = torchrun_args(1, nproc, f"localhost:{free_port()}", f"local-{uuid.uuid4().hex[:8]}", opts.overrides,
+                             "dump/local", sys.executable)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
-        sys.exit(subprocess.run(argv, cwd=REPO).returncode)
+        sys.exit(subprocess.run(argv).returncode)
     executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition)
     job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable))
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",

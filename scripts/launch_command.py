@@ -12,9 +12,12 @@ the same for two jobs on one head node only when their ids differ by a multiple 
 
 import argparse
 import shlex
+import socket
 import sys
+from pathlib import Path
 
 DEFAULT_STOP_SIGNAL = "USR1"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def rendezvous_port(job_id: str | int) -> int:
@@ -46,14 +49,31 @@ def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id:
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
-        "train.py", *extra, *overrides,
+        str(REPO / "train.py"), *extra, *overrides,
     ]
 
 
-def dump_dir_of(overrides: list[str], default: str) -> str:
-    """Where the run writes: the last dump_dir= (or +/++dump_dir=) override, else `default`."""
-    values = [o.split("=", 1)[1] for o in overrides if "=" in o and override_key(o) == "dump_dir" and not o.startswith("~")]
-    return values[-1] if values else default
+def dump_dir_of(overrides: list[str], default: str | None) -> str:
+    """Where the run writes, as the trainer will see it: the config composed with the overrides (`default`
+    first when none sets dump_dir), so quoting and interpolations (`${oc.env:SCRATCH}/run`) are resolved."""
+    from hydra import compose, initialize_config_dir
+
+    if default is not None and "dump_dir" not in {override_key(o) for o in overrides if "=" in o}:
+        overrides = [f"dump_dir={hydra_quoted(default)}", *overrides]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return str(compose(config_name="config", overrides=overrides).dump_dir)
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as one hydra override value, whatever it holds (spaces, commas, brackets, quotes)."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def free_port() -> int:
+    """A port free on this machine now, for a one-node rendezvous that must not meet another job's."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:

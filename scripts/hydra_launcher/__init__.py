@@ -8,8 +8,8 @@
 Hydra's basic launcher would run each point in-process on one rank, and a sweep under torchrun would
 run every point on every worker through one rendezvous. These build, per point, the same torchrun
 command as every other launcher (`scripts/launch_command.py`) with `dump_dir={dump_dir}/{job number}`
-(the point's own dump_dir, made absolute against the directory hydra was started in),
-and run it here one point after another (`torchrun`) or submit it as a Slurm job through submitit
+(the point's own dump_dir as the config resolves it, made absolute against the directory hydra was
+started in, where the points run too, so relative paths in overrides mean the same), and run it here one point after another (`torchrun`) or submit it as a Slurm job through submitit
 (`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue).
 A point that fails marks the sweep failed (hydra then exits non-zero); the other points still run.
 
@@ -18,7 +18,6 @@ trainer's own launch helpers are imported when a sweep launches, from the checko
 so that hydra's plugin scan in any other hydra program never depends on them.
 """
 
-import socket
 import subprocess
 import sys
 import uuid
@@ -39,35 +38,34 @@ class TorchrunLauncher(Launcher):
             raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node} must be at least 1")
         self.nproc_per_node, self.slurm = int(nproc_per_node), slurm
         self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
+        self.config, self.hydra_context = config, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from scripts.launch_command import dump_dir_of, override_key
+        from scripts.launch_command import hydra_quoted, override_key
 
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        Path(str(self.config.hydra.sweep.dir)).resolve().mkdir(parents=True, exist_ok=True)
         points = []
         for job, overrides in enumerate(job_overrides, initial_job_idx):
             overrides = list(filter_overrides(overrides))
-            # As a sweep run in the hydra process: {the point's dump_dir}/{job}; the jobs run in the checkout.
-            dump_dir = Path(dump_dir_of(overrides, str(sweep_dir))).resolve()
+            # As a sweep run in the hydra process: {the point's dump_dir}/{job}, relative to where hydra runs.
+            point = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            dump_dir = Path(str(point.dump_dir)).resolve() / str(job)
             kept = [o for o in overrides if "=" not in o or override_key(o) != "dump_dir"]
-            points.append((job, [*kept, f"dump_dir={dump_dir}/{job}"]))
+            points.append((job, [*kept, f"dump_dir={hydra_quoted(str(dump_dir))}"]))
         if self.slurm is None:
             return [_job_return(overrides, self._run_here(overrides, job)) for job, overrides in points]
         return self._run_on_slurm(points)
 
     def _run_here(self, overrides: list[str], job: int) -> Exception | None:
-        from scripts.launch import REPO
-        from scripts.launch_command import torchrun_args
+        from scripts.launch_command import free_port, torchrun_args
 
-        port = _free_port()
-        argv = torchrun_args(1, self.nproc_per_node, f"localhost:{port}", f"sweep-{uuid.uuid4().hex[:8]}-{job}",
+        argv = torchrun_args(1, self.nproc_per_node, f"localhost:{free_port()}", f"sweep-{uuid.uuid4().hex[:8]}-{job}",
                              overrides, python=sys.executable)
         print(f"sweep point {job}: {' '.join(overrides)}", flush=True)
-        code = subprocess.run(argv, cwd=REPO).returncode
+        code = subprocess.run(argv).returncode  # in hydra's directory: relative paths mean what they do there
         return None if code == 0 else RuntimeError(f"sweep point {job} ({' '.join(overrides)}): torchrun exited {code}")
 
     def _run_on_slurm(self, points: list[tuple[int, list[str]]]) -> list[JobReturn]:
@@ -93,9 +91,3 @@ def _job_return(overrides: list[str], failure: Exception | None) -> JobReturn:
     ret = JobReturn(overrides=overrides, status=JobStatus.COMPLETED if failure is None else JobStatus.FAILED)
     ret.return_value = failure if failure is not None else 0
     return ret
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]

@@ -106,14 +106,17 @@ def test_hydra_multirun_gives_each_job_its_own_dump_dir(tmp_path):
 
 def test_torchrun_launcher_runs_each_sweep_point_on_its_own_ranks(tmp_path):
     """hydra/launcher=torchrun: every point is a 2-rank torchrun job in its own dump_dir (a relative one
-    is the directory hydra started in, as without the launcher); a point that fails (seed=-1 is
-    refused) fails the sweep without stopping the others."""
-    sweep = tmp_path / "sweep"
+    is the directory hydra started in, as without the launcher, and may need quoting); a point that
+    fails (seed=-1 is refused) fails the sweep without stopping the others. Relative paths in the
+    overrides mean what they mean where hydra runs."""
+    sweep = tmp_path / "my sweep, 1"
+    (tmp_path / "cache").symlink_to(REPO / ".cache" / "data")
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2",
-         "dump_dir=sweep", f"data.cache_dir={REPO / '.cache' / 'data'}", *FAST, "steps=3", "seed=-1,3"],
+         "dump_dir='my sweep, 1'", "data.cache_dir=cache", *FAST, "steps=3", "seed=-1,3"],
         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
     )
+    assert not (REPO / "cache").exists()
     assert proc.returncode != 0 and "error: seed=-1 must be >= 0" in proc.stderr, proc.stderr[-3000:]
     assert not (sweep / "0" / "metrics.jsonl").exists()
     alone = losses(train_ok(2, tmp_path / "alone", *FAST, "steps=3", "seed=3"))

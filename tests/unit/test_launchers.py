@@ -12,16 +12,17 @@ from tests.e2e.launch import REPO
 OVERRIDES = ["model=tiny", "steps=7", "optim.lr=1e-3", "data.source=/data/my corpus"]
 
 
-def _sbatch_command(tmp_path, overrides: list[str]) -> list[str]:
-    """What train.sbatch hands to srun, on a fake 2-node job 1234."""
+def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> list[str]:
+    """What train.sbatch hands to srun, on a fake 2-node job 1234 (scontrol's other calls are logged)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node7\\nnode8\\n"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then printf "node7\\nnode8\\n"; '
+                                      f'else echo "$@" >> {tmp_path}/scontrol_calls; fi\n')
     (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "8"}
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "8", **(env or {})}
     done = subprocess.run(["bash", "scripts/slurm/train.sbatch", *overrides], cwd=REPO, env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
@@ -51,11 +52,27 @@ def test_batch_script_keeps_a_given_dump_dir(tmp_path):
 
 
 def test_the_dump_dir_the_batch_script_checks_is_the_one_the_run_writes():
-    """The script requeues on {dump_dir}/stopped.json: a `+`/`++` override sets the run's dump_dir too."""
+    """The script requeues on {dump_dir}/stopped.json: a `++` override sets the run's dump_dir too."""
     from scripts.launch_command import dump_dir_of, torchrun_args
 
-    for override in ("dump_dir=/data/run1", "+dump_dir=/data/run1", "++dump_dir=/data/run1"):
+    for override in ("dump_dir=/data/run1", "++dump_dir=/data/run1"):
         args = torchrun_args(1, 2, "node7:30734", "7", ["model=tiny", override], "dump/slurm-7")
         assert [a for a in args if "dump_dir" in a] == [override]  # no default added beside it
         assert dump_dir_of(["model=tiny", override], "dump/slurm-7") == "/data/run1"
     assert dump_dir_of(["model=tiny"], "dump/slurm-7") == "dump/slurm-7"
+
+
+def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_path):
+    """The script looks for stopped.json where the trainer writes it: a quoted dump_dir, or one from an
+    interpolation, is the folder the config resolves, not the override's text."""
+    for i, (override, folder) in enumerate([
+        (f"dump_dir='{tmp_path}/run q, 1'", tmp_path / "run q, 1"),
+        ("dump_dir=${oc.env:RUNS_ROOT}/run2", tmp_path / "run2"),
+    ]):
+        folder.mkdir()
+        (folder / "stopped.json").write_text('{"step": 70, "signal": "SIGUSR1"}')
+        case = tmp_path / f"case{i}"
+        case.mkdir()
+        command = _sbatch_command(case, [override, "model=tiny"], env={"RUNS_ROOT": str(tmp_path)})
+        assert override in command
+        assert (case / "scontrol_calls").read_text().split() == ["requeue", "1234"], override
