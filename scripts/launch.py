@@ -33,10 +33,11 @@ class TrainOnNode:
     submitit's handler on the first task calls `checkpoint`, which waits for torchrun to exit before
     submitit requeues the job (a requeue kills what still runs)."""
 
-    def __init__(self, overrides: list[str], nproc_per_node: int, python: str, cwd: str | None = None):
+    def __init__(self, overrides: list[str], nproc_per_node: int, python: str, cwd: str | None = None,
+                 max_restarts: int = 0):
         """`cwd`: where relative paths in the overrides point (the submitting directory)."""
         self.overrides, self.nproc_per_node, self.python = overrides, nproc_per_node, python
-        self.cwd = cwd or os.getcwd()
+        self.cwd, self.max_restarts = cwd or os.getcwd(), max_restarts
         self.process: subprocess.Popen | None = None
 
     def __call__(self) -> int:
@@ -45,7 +46,8 @@ class TrainOnNode:
         env = submitit.JobEnvironment()
         stop_signal = submitit.JobEnvironment.USR_SIG
         argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{rendezvous_port(env.job_id)}",
-                             str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal)
+                             str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal,
+                             self.max_restarts)
         # An ignored signal stays ignored across exec: the agent keeps it so; the workers set a handler.
         ignore = partial(signal.signal, signal.Signals[f"SIG{stop_signal}"], signal.SIG_IGN)
         self.process = subprocess.Popen(argv, cwd=self.cwd, preexec_fn=ignore)
@@ -61,7 +63,8 @@ class TrainOnNode:
 
         if self.process is not None:
             wait_for_exit(self.process.pid)
-        return submitit.helpers.DelayedSubmission(TrainOnNode(self.overrides, self.nproc_per_node, self.python, self.cwd))
+        return submitit.helpers.DelayedSubmission(
+            TrainOnNode(self.overrides, self.nproc_per_node, self.python, self.cwd, self.max_restarts))
 
 
 def wait_for_exit(pid: int) -> int | None:
@@ -100,16 +103,17 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="run here, without a scheduler")
     parser.add_argument("--wait", action="store_true", help="wait for the job and fail if it fails")
     parser.add_argument("--logs", default="dump/submitit_logs")
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts when a worker dies")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else max(opts.gpus_per_node, 1)
     if opts.local:
         argv = torchrun_args(1, nproc, f"localhost:{free_port()}", f"local-{uuid.uuid4().hex[:8]}", opts.overrides,
-                             "dump/local", sys.executable)
+                             "dump/local", sys.executable, max_restarts=opts.max_restarts)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv).returncode)
     executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition)
-    job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable))
+    job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable, max_restarts=opts.max_restarts))
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",
           flush=True)
     if opts.wait:

@@ -1,7 +1,7 @@
 """The one torchrun command line every launcher uses (the Slurm batch script, submitit, TorchX).
 
     python scripts/launch_command.py --nnodes N --nproc-per-node P --rdzv-endpoint HOST:PORT \
-        --rdzv-id ID [--dump-dir DIR] -- [hydra overrides]
+        --rdzv-id ID [--dump-dir DIR] [--max-restarts N] -- [hydra overrides]
 
 prints it shell-quoted. Overrides pass through unchanged; a default `dump_dir` and `stop_signal=USR1`
 (checkpoint and exit on Slurm's warning signal) are added unless the overrides set them.
@@ -39,16 +39,18 @@ def override_key(override: str) -> str:
 
 def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
                   dump_dir: str | None = None, python: str = "python", stop_signal: str = DEFAULT_STOP_SIGNAL,
-                  ) -> list[str]:
-    """argv of torchrun on one node, running train.py with the overrides."""
-    if nnodes < 1 or nproc_per_node < 1:
-        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1")
+                  max_restarts: int = 0) -> list[str]:
+    """argv of torchrun on one node, running train.py with the overrides; `max_restarts`: torchrun
+    restarts the whole group that often when a worker dies (the run resumes from its newest checkpoint)."""
+    if nnodes < 1 or nproc_per_node < 1 or max_restarts < 0:
+        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1, "
+                         f"max_restarts={max_restarts} at least 0")
     given = {override_key(o) for o in overrides if "=" in o}
     extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
     extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
+        *([f"--max-restarts={max_restarts}"] if max_restarts else []), "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
         str(REPO / "train.py"), *extra, *overrides,
     ]
 
@@ -84,10 +86,11 @@ def main() -> None:
     parser.add_argument("--rdzv-id", required=True)
     parser.add_argument("--dump-dir")
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     argv = torchrun_args(opts.nnodes, opts.nproc_per_node, opts.rdzv_endpoint, opts.rdzv_id, opts.overrides,
-                         opts.dump_dir, opts.python)
+                         opts.dump_dir, opts.python, max_restarts=opts.max_restarts)
     print(shlex.join(argv))
 
 

@@ -3,33 +3,46 @@ where available) launches it the same way as scripts/slurm/train.sbatch:
 
     torchx run --scheduler local_cwd scripts/torchx_components.py:train --nnodes 1 --nproc_per_node 2 -- model=tiny
 
-One role, one replica per node, torchrun as the entrypoint with the same command line as the other
-launchers (scripts/launch_command.py). Importable without TorchX installed; building the AppDef then
-says how to install it.
+Run it from the repository (TorchX executes this file outside its folder, so the checkout is found
+from the working directory). One role, one replica per node, torchrun as the entrypoint with the same
+command line as the other launchers (scripts/launch_command.py). Several nodes need the rendezvous
+host named (`--rdzv_endpoint HOST:PORT`, a host every node reaches). Importable without TorchX
+installed; building the AppDef then says how to install it.
 """
 
 import sys
 from pathlib import Path
+from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# TorchX runs this file with its own globals (__file__ is then TorchX's finder): fall back to the
+# working directory, the repository the command is documented to run from.
+_HERE = Path(__file__).resolve().parents[1]
+REPO = _HERE if (_HERE / "scripts" / "launch_command.py").is_file() else Path.cwd()
+sys.path.insert(0, str(REPO))
 
 from scripts.launch_command import torchrun_args  # noqa: E402
 
 try:
     from torchx import specs
+    from torchx.specs import AppDef
 except ImportError:  # the component stays importable; train() explains
-    specs = None
+    specs = AppDef = None
 
 
-def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoint: str = "localhost:29500",
-          rdzv_id: str | None = None, gpus_per_node: int = 0, image: str = ".", python: str = "python",
-          dump_dir: str | None = None) -> "specs.AppDef":
+def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoint: Optional[str] = None,
+          rdzv_id: Optional[str] = None, gpus_per_node: int = 0, image: str = ".", python: str = "python",
+          dump_dir: Optional[str] = None, max_restarts: int = 0) -> AppDef:
     """The trainer as a TorchX app: `overrides` are hydra overrides (model=small steps=1000 ...)."""
     if specs is None:
         raise ImportError("scripts/torchx_components.py needs TorchX: pip install torchx")
+    if rdzv_endpoint is None:
+        if nnodes > 1:
+            raise ValueError(f"--nnodes {nnodes} needs --rdzv_endpoint HOST:PORT on a host every node reaches "
+                             "(each node would otherwise host its own rendezvous on localhost)")
+        rdzv_endpoint = "localhost:29500"
     run_id = rdzv_id or specs.macros.app_id
     python_cmd, *args = torchrun_args(nnodes, nproc_per_node, rdzv_endpoint, run_id, list(overrides),
-                                      dump_dir or f"dump/torchx-{run_id}", python)
+                                      dump_dir or f"dump/torchx-{run_id}", python, max_restarts=max_restarts)
     role = specs.Role(
         name="trainer", image=image, entrypoint=python_cmd, args=args, num_replicas=nnodes,
         resource=specs.Resource(cpu=max(nproc_per_node, 1), gpu=gpus_per_node, memMB=16 * 1024),

@@ -4,6 +4,8 @@ Slurm batch script for the same overrides (the script run with stand-ins for sru
 import os
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,7 @@ OVERRIDES = ["model=tiny", "steps=7", "optim.lr=1e-3", "data.source=/data/my cor
 def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> list[str]:
     """What train.sbatch hands to srun, on a fake 2-node job 1234 (scontrol's other calls are logged)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then printf "node7\\nnode8\\n"; '
                                       f'else echo "$@" >> {tmp_path}/scontrol_calls; fi\n')
     (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n')
@@ -44,6 +46,26 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
                 python=command[0], dump_dir="dump/slurm-1234")
     (role,) = app.roles
     assert [role.entrypoint, *role.args] == command and role.num_replicas == 2
+
+    restarting = _sbatch_command(tmp_path / "restarts", OVERRIDES, env={"MAX_RESTARTS": "3"})
+    assert restarting == [*command[:5], "--max-restarts=3", *command[5:]]  # a torchrun flag, before train.py
+    app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:30734", rdzv_id="1234",
+                python=command[0], dump_dir="dump/slurm-1234", max_restarts=3)
+    assert [app.roles[0].entrypoint, *app.roles[0].args] == restarting
+    with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv_endpoint HOST:PORT"):
+        train(*OVERRIDES, nnodes=2)
+
+
+def test_torchx_runs_the_component_file_as_documented(tmp_path):
+    """torchx's CLI lints the component's signature and runs the file outside its folder (dry run)."""
+    torchx = Path(sys.executable).with_name("torchx")
+    if not torchx.is_file():
+        pytest.skip("torchx is not installed (the dev extra)")
+    done = subprocess.run([str(torchx), "run", "--dryrun", "--scheduler", "local_cwd", "scripts/torchx_components.py:train",
+                           "--nnodes", "1", "--nproc_per_node", "2", "--", "model=tiny", "data.source=/data/my corpus"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'data.source=/data/my corpus'" in done.stdout and "torch.distributed.run" in done.stdout
 
 
 def test_batch_script_keeps_a_given_dump_dir(tmp_path):
