@@ -21,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
 from scripts.launch_command import dump_dir_of, free_port, positive_int, rendezvous_port, torchrun_args  # noqa: E402
 
@@ -85,7 +86,8 @@ def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int,
     """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit."""
     import submitit
 
-    executor = submitit.AutoExecutor(folder=logs, cluster="slurm")
+    # submitit fails a job after 3 time limits by default; a long run meets its limit at every requeue.
+    executor = submitit.AutoExecutor(folder=logs, cluster="slurm", slurm_max_num_timeout=MAX_TIME_LIMITS)
     executor.update_parameters(
         nodes=nodes, tasks_per_node=1, gpus_per_node=gpus_per_node or None, timeout_min=timeout_min,
         slurm_partition=partition, slurm_signal_delay_s=120, name="llm-train",

@@ -98,3 +98,12 @@ def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_pa
         command = _sbatch_command(case, [override, "model=tiny"], env={"RUNS_ROOT": str(tmp_path)})
         assert override in command
         assert (case / "scontrol_calls").read_text().split() == ["requeue", "1234"], override
+
+
+def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path):
+    """submitit gives a job up after 3 time limits by default: a multi-day run meets one per requeue."""
+    pytest.importorskip("submitit")
+    from scripts.launch import MAX_TIME_LIMITS, slurm_executor
+
+    executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu")
+    assert executor._executor.max_num_timeout == MAX_TIME_LIMITS >= 1000
