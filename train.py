@@ -39,6 +39,9 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
             compose(config_name="config", overrides=overrides)
     except HydraException as e:
         exit_on_bad_input(one_line(e), launch, code=2)
+    except ValueError as e:  # hydra's own wording for e.g. `data=null`, without the override
+        offending = [o for o in overrides if o.split("=", 1)[-1] in ("null", "~")] or overrides
+        exit_on_bad_input(f"{' '.join(offending)}: {e}", launch, code=2)
 
 
 def one_line(e: HydraException) -> str:

@@ -50,6 +50,19 @@ def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def refuse_damaged_newer(root: Path, after: int) -> None:
+    """A step_N folder newer than the checkpoint a run resumes from, without a manifest, is no save of
+    ours (a save is renamed into place only after its manifest is written): damaged, or put there by
+    hand. The run would write step N over it, so it is refused, not silently replaced."""
+    for path in sorted(root.glob(f"{_STEP_PREFIX}*")):
+        suffix = path.name[len(_STEP_PREFIX):]
+        if suffix.isdigit() and int(suffix) > after and not (path / MANIFEST).is_file():
+            start = f"step {after}" if after else "scratch"
+            raise CheckpointError(
+                f"checkpoint {path} has no {MANIFEST}: it is damaged or not a checkpoint, and this run (resuming "
+                f"from {start}) would overwrite it; move it out of {root} (keep it: it may be repairable)")
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:

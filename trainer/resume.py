@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from parallel.errors import ConfigError
 from parallel.random import RNGStreams
-from trainer.checkpoint import CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint, verify_checkpoint
+from trainer.checkpoint import (
+    CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint, refuse_damaged_newer, verify_checkpoint,
+)
 from trainer.config import TrainConfig
 from trainer.fingerprint import FINGERPRINT_FILE, check_resumable
 from trainer.metrics import check_history
@@ -45,6 +47,7 @@ def resume(
     Every rank reads the same files and reaches the same verdict, so all refuse together."""
     dump_dir = Path(cfg.dump_dir)
     path = latest_checkpoint(dump_dir / "checkpoints")
+    refuse_damaged_newer(dump_dir / "checkpoints", checkpoint_step(path) if path is not None else 0)
     step = 0
     if path is not None:
         group = dist.group.WORLD

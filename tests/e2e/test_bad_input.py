@@ -27,6 +27,7 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("foo=1",), ("Could not override 'foo'", "+foo=1")),  # hydra's errors are one line too
         (("model=nope",), ("model/nope", "small | tiny")),
         (("seq_len",), ("seq_len", "missing EQUAL")),
+        (("data=null",), ("data=null: Config group override must be a string or a list",)),
     ],
 )
 def test_bad_config_one_line(tmp_path, overrides, fragments):

@@ -138,6 +138,19 @@ def _copy(checkpointed: Path, tmp_path: Path) -> Path:
     return dump
 
 
+def test_a_damaged_newer_checkpoint_is_refused_not_overwritten(tmp_path, checkpointed):
+    """step_4 without its manifest (damaged, or copied in by hand) is not resumed from; the run would
+    write step 4 over it, so it stops in one line and leaves the folder as it was."""
+    dump = _copy(checkpointed, tmp_path)
+    damaged = dump / "checkpoints" / "step_4"
+    (damaged / "manifest.json").unlink()
+    (damaged / "NOTES.txt").write_text("mine")
+    files, before = sorted(p.name for p in damaged.iterdir()), (dump / "metrics.jsonl").read_text()
+    proc = train(0, dump, *FAST, "steps=8", "optim.decay_steps=8", timeout=120)
+    assert_one_error(proc, f"checkpoint {damaged} has no manifest.json", "resuming from step 2", "move it out of")
+    assert sorted(p.name for p in damaged.iterdir()) == files and (dump / "metrics.jsonl").read_text() == before
+
+
 def _other_tokenizer(tmp_path: Path) -> Path:
     """A tokenizer with the same vocabulary size, trained on other text (a few stdlib modules)."""
     return train_tokenizer([Path(argparse.__file__), Path(typing.__file__)], 512, tmp_path / "other.model")

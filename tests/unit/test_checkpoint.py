@@ -9,7 +9,7 @@ import torch
 
 from trainer.checkpoint import (
     MANIFEST, CheckpointError, complete_save, latest_checkpoint, load_checkpoint, own_files, prepare_save,
-    prune_checkpoints, save_checkpoint, verify_checkpoint,
+    prune_checkpoints, refuse_damaged_newer, save_checkpoint, verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
 from trainer.shuffle import SHUFFLE_VERSION
@@ -33,6 +33,18 @@ def test_round_trip_prune_and_latest(tmp_path, world):
     verify_checkpoint(tmp_path / "step_3", world, rank=0, world=1, checksums=True)
     load_checkpoint(tmp_path / "step_3", target, world)
     assert torch.equal(target["model"]["w"], state(3)["model"]["w"]) and int(target["trainer"]["step"]) == 3
+
+
+def test_only_a_manifest_less_folder_the_run_would_overwrite_is_refused(tmp_path):
+    for name in ("step_2", "step_5", ".tmp_step_9", "step_x"):  # an older damaged one, a temp, a stray name
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_4").mkdir()
+    (tmp_path / "step_4" / MANIFEST).write_text("{}")
+    refuse_damaged_newer(tmp_path, after=5)
+    with pytest.raises(CheckpointError, match=r"step_5 has no manifest.json: .* \(resuming from step 4\) would overwrite"):
+        refuse_damaged_newer(tmp_path, after=4)
+    with pytest.raises(CheckpointError, match=r"step_2 has no manifest.json: .* \(resuming from scratch\)"):
+        refuse_damaged_newer(tmp_path, after=0)
 
 
 def test_manifest_lists_every_file(tmp_path, world):
