@@ -35,6 +35,9 @@ _OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_laye
                       "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
+COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
+VOCAB_MAX = 2**31 - 1  # sentencepiece and the token ids are 32-bit
+FP32_MAX = 3.4028234663852886e38  # the optimizer's hyperparameters become fp32 tensors
 # Signals a scheduler sends before a time limit or preemption (SIGINT and SIGTERM stay torchrun's).
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
@@ -89,6 +92,14 @@ def _check_ranges(cfg: TrainConfig) -> None:
     if cfg.optimize_backward_concat and cfg.grad_reduce != "last_microbatch":
         raise ConfigError(f"optimize_backward_concat=true needs grad_reduce=last_microbatch (with "
                           f"grad_reduce={cfg.grad_reduce} every microbatch concatenates its gradient to reduce it)")
+    low, high = COMM_TIMEOUT_RANGE_S
+    if not low <= cfg.comm_timeout_s <= high:
+        raise ConfigError(f"comm_timeout_s={cfg.comm_timeout_s} must be in [{low:g}, {high:g}] seconds")
+    if cfg.model.vocab_size > VOCAB_MAX:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be <= {VOCAB_MAX}")
+    for key in ("optim.lr", "optim.eps", "optim.weight_decay", "optim.clip_grad_norm"):
+        if get_key(cfg, key) > FP32_MAX:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be <= {FP32_MAX:.4g} (it is used in fp32)")
     if cfg.seed > SEED_MAX:
         raise ConfigError(f"seed={cfg.seed} must be <= {SEED_MAX} (2^32 - 1, what numpy's generator takes)")
     if cfg.mem_snapshot_stop_step is not None and cfg.mem_snapshot_stop_step > cfg.steps:
