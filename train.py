@@ -12,6 +12,7 @@ from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -120,12 +121,21 @@ def lost_a_peer(e: Exception) -> bool:
     return isinstance(e, DistBackendError) or "remote worker" in text or "Connection closed by peer" in text
 
 
+def resolved(raw: DictConfig) -> dict:
+    """The config with interpolations resolved; a broken one (`seed=${nope}`) is one line naming its key."""
+    try:
+        return OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key + ': ' if key else ''}{str(e).splitlines()[0]}") from e
+
+
 @record
 def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
     """Train; expected failures exit with one line (SystemExit passes @record by), anything else
     escapes and @record writes it, traceback and all, to the error file torchrun names."""
     try:
-        values = OmegaConf.to_container(raw, resolve=True)
+        values = resolved(raw)
         sweep_job_dump_dir(values, launch)
         cfg = from_dict(values)
         run(cfg, launch, validate(cfg, launch.world_size))

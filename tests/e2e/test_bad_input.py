@@ -28,6 +28,7 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("model=nope",), ("model/nope", "small | tiny")),
         (("seq_len",), ("seq_len", "missing EQUAL")),
         (("data=null",), ("data=null: Config group override must be a string or a list",)),
+        (("seed=${oc.env:NO_SUCH_VARIABLE}",), ("seed: ", "Environment variable 'NO_SUCH_VARIABLE' not found")),
     ],
 )
 def test_bad_config_one_line(tmp_path, overrides, fragments):
