@@ -109,9 +109,11 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
     """Refuse, in one line, a resume that would silently change the run."""
     try:
         saved = json.loads((checkpoint / FINGERPRINT_FILE).read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}); "
-                          "it was not written by this trainer, or is damaged")
+        raise ConfigError(f"checkpoint {checkpoint} has no readable {FINGERPRINT_FILE} ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0][:80]}); it was not written by this trainer, or is damaged")
     current = {key: value for key, value in current.items() if key in saved or key not in _ABSENT_MEANS_UNKNOWN}
     saved = _ABSENT_MEANS_DEFAULT | saved
     fp8_state_carries_over = bool(saved.get("model.use_fp8") and current.get("model.use_fp8"))

@@ -202,6 +202,24 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
+_META_KEYS = ("num_tokens", "vocab_size", "dtype", "tokens_sha256")
+
+
+def _read_meta(folder: Path) -> dict:
+    """meta.json, checked: a damaged one is one line naming the folder (deleting it rebuilds the cache)."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        meta, reason = None, f"unreadable ({type(e).__name__})"
+    else:
+        reason = None if isinstance(meta, dict) and all(k in meta for k in _META_KEYS) else \
+            f"missing some of {', '.join(_META_KEYS)}"
+    if reason is not None:
+        raise ConfigError(f"packed tokens {folder}: {META_FILE} is {reason}; delete the folder and the next "
+                          f"start rebuilds it from data.source")
+    return meta
+
+
 class PackedTokens:
     """Read-only memory map of a packed folder, cut into overlapping (seq_len + 1)-token windows."""
 
@@ -209,7 +227,7 @@ class PackedTokens:
         self.path = Path(out_dir)
         if not is_complete(self.path):
             raise ConfigError(f"packed tokens {self.path} are missing or incomplete (no {META_FILE})")
-        self.meta = json.loads((self.path / META_FILE).read_text())
+        self.meta = _read_meta(self.path)
         self.num_tokens: int = self.meta["num_tokens"]
         self.vocab_size: int = self.meta["vocab_size"]
         dtype = np.dtype(self.meta["dtype"])

@@ -137,6 +137,15 @@ def test_a_source_with_no_text_is_one_line(tokenizer: Tokenizer, tmp_path: Path)
     assert not any(p.name.startswith(".packed") for p in tmp_path.iterdir())  # nothing half-written left
 
 
+def test_a_damaged_meta_json_is_one_line_saying_how_to_rebuild(packed: PackedTokens, tmp_path: Path) -> None:
+    copy = tmp_path / "tokens"
+    shutil.copytree(packed.path, copy)
+    for text, reason in (("{broken", "unreadable \\(JSONDecodeError\\)"), ("[1, 2]", "missing some of num_tokens")):
+        (copy / "meta.json").write_text(text)
+        with pytest.raises(ConfigError, match=rf"^packed tokens {copy}: meta.json is {reason}.*delete the folder"):
+            PackedTokens(copy)
+
+
 def test_packed_tokens_too_short_names_seq_len(packed: PackedTokens) -> None:
     with pytest.raises(ConfigError, match="seq_len="):
         packed.num_sequences(packed.num_tokens)

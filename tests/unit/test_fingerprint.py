@@ -87,6 +87,13 @@ def test_data_fingerprint_sees_a_change_anywhere_in_a_small_file(tmp_path):
     assert data_fingerprint(tokens, 101, "0" * 64)["data_sample"] != before
 
 
+def test_a_fingerprint_that_is_no_json_object_is_one_line(tmp_path):
+    for text in ("[1, 2]", "{broken", ""):
+        (tmp_path / FINGERPRINT_FILE).write_text(text)
+        with pytest.raises(ConfigError, match=rf"^checkpoint {tmp_path} has no readable fingerprint.json \(.*\); it was"):
+            check_resumable(tmp_path, _fingerprint(), allowed=[])
+
+
 def test_data_fingerprint_carries_the_whole_file_hash_recorded_at_packing(tmp_path):
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(bytes(1000))
