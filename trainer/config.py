@@ -212,7 +212,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         if typ is str and isinstance(value, str):
             if not value:  # e.g. an unset shell variable: never mean "unset" silently
-                raise ConfigError(f"{key} is an empty string (use null to leave it unset)")
+                hint = "use null to leave it unset" if type(None) in allowed else "it needs a value"
+                raise ConfigError(f"{key} is an empty string ({hint})")
             return value
     names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
     raise ConfigError(f"{key}={value!r} must be {names}")

@@ -114,8 +114,9 @@ def _cache_key(files: list[Path], vocab_size: int, tokenizer: Tokenizer | None) 
 def _load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) -> Tokenizer | None:
     if tokenizer_path is None:
         return None
-    if not Path(tokenizer_path).expanduser().is_file():
-        raise ConfigError(f"data.tokenizer={tokenizer_path} does not exist")
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer={tokenizer_path} {'is not a file' if path.exists() else 'does not exist'}")
     tokenizer = Tokenizer(Path(tokenizer_path).expanduser())
     if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
         raise ConfigError(f"data.tokenizer={tokenizer_path} has no bos/eos pieces; packing needs both")

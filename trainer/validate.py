@@ -123,7 +123,8 @@ def _check_resume_keys(cfg: TrainConfig) -> None:
     for key in cfg.resume.allow_changed:
         if key not in ALLOWABLE:
             raise ConfigError(
-                f"resume.allow_changed: {key} cannot change on resume (only {', '.join(ALLOWABLE)} can)"
+                f"resume.allow_changed: {key} is not a key a resume lets change (those are: {', '.join(ALLOWABLE)}); "
+                "layout keys (parallel sizes, microbatching, resharding) change freely without it"
             )
 
 
@@ -145,7 +146,9 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     if m.sequence_parallel:
         _divisible("seq_len", cfg.seq_len, "model_parallel_size (model.sequence_parallel=true)", tp)
     if cfg.context_parallel_size > 1:
-        _divisible("seq_len", cfg.seq_len, "2 x context_parallel_size", 2 * cfg.context_parallel_size)
+        if cfg.seq_len % (2 * cfg.context_parallel_size):
+            raise ConfigError(f"seq_len={cfg.seq_len} is not divisible by 2 x context_parallel_size = "
+                              f"{2 * cfg.context_parallel_size} (each CP rank takes two load-balanced halves)")
         if m.sequence_parallel:
             _divisible("seq_len / context_parallel_size", cfg.seq_len // cfg.context_parallel_size,
                        "model_parallel_size (model.sequence_parallel=true)", tp)

@@ -296,6 +296,8 @@ def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path
         prepare_dataset(str(corpus), tokenizer.model_path, 512, tmp_path, True, print)
     with pytest.raises(ConfigError, match=r"data.tokenizer=/no/spm.model does not exist"):
         prepare_dataset(str(corpus), "/no/spm.model", VOCAB, tmp_path, True, print)
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer={tmp_path} is not a file$"):
+        prepare_dataset(str(corpus), str(tmp_path), VOCAB, tmp_path, True, print)
     tok, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
     assert tok.model_path == tokenizer.model_path and tokens.meta["tokenizer_sha256"]
     assert not list(tmp_path.glob("tokenizer-*"))  # a given tokenizer is not retrained
