@@ -50,7 +50,8 @@ def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id:
     extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
-        *([f"--max-restarts={max_restarts}"] if max_restarts else []), "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
+        *([f"--max-restarts={max_restarts}"] if max_restarts else []),
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
         str(REPO / "train.py"), *extra, *overrides,
     ]
 

@@ -42,21 +42,23 @@ def checkpoint_step(path: Path) -> int:
 def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
     """The newest step_N folder with a manifest (complete), of a step below `before` if given; None if
     there is none."""
-    steps = []
-    for path in root.glob(f"{_STEP_PREFIX}*"):
-        suffix = path.name[len(_STEP_PREFIX):]
-        if suffix.isdigit() and (path / MANIFEST).is_file() and (before is None or int(suffix) < before):
-            steps.append((int(suffix), path))
-    return max(steps)[1] if steps else None
+    steps = [(step, path) for step, path in _step_folders(root)
+             if (path / MANIFEST).is_file() and (before is None or step < before)]
+    return steps[-1][1] if steps else None
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(N, path) of every step_N folder, complete or not, oldest first."""
+    return sorted((int(p.name[len(_STEP_PREFIX):]), p) for p in root.glob(f"{_STEP_PREFIX}*")
+                  if p.name[len(_STEP_PREFIX):].isdigit())
 
 
 def refuse_damaged_newer(root: Path, after: int) -> None:
     """A step_N folder newer than the checkpoint a run resumes from, without a manifest, is no save of
     ours (a save is renamed into place only after its manifest is written): damaged, or put there by
     hand. The run would write step N over it, so it is refused, not silently replaced."""
-    for path in sorted(root.glob(f"{_STEP_PREFIX}*")):
-        suffix = path.name[len(_STEP_PREFIX):]
-        if suffix.isdigit() and int(suffix) > after and not (path / MANIFEST).is_file():
+    for step, path in _step_folders(root):
+        if step > after and not (path / MANIFEST).is_file():
             start = f"step {after}" if after else "scratch"
             raise CheckpointError(
                 f"checkpoint {path} has no {MANIFEST}: it is damaged or not a checkpoint, and this run (resuming "
@@ -154,12 +156,8 @@ def prune_checkpoints(root: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (keep=0 keeps all)."""
     if keep <= 0:
         return
-    complete = sorted(
-        (int(p.name[len(_STEP_PREFIX):]), p)
-        for p in root.glob(f"{_STEP_PREFIX}*")
-        if p.name[len(_STEP_PREFIX):].isdigit() and (p / MANIFEST).is_file()
-    )
-    for _, path in complete[:-keep]:
+    complete = [path for _, path in _step_folders(root) if (path / MANIFEST).is_file()]
+    for path in complete[:-keep]:
         shutil.rmtree(path)
 
 

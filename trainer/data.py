@@ -117,7 +117,7 @@ def _load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) ->
     path = Path(tokenizer_path).expanduser()
     if not path.is_file():
         raise ConfigError(f"data.tokenizer={tokenizer_path} {'is not a file' if path.exists() else 'does not exist'}")
-    tokenizer = Tokenizer(Path(tokenizer_path).expanduser())
+    tokenizer = Tokenizer(path)
     if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
         raise ConfigError(f"data.tokenizer={tokenizer_path} has no bos/eos pieces; packing needs both")
     if tokenizer.vocab_size != vocab_size:

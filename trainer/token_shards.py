@@ -207,16 +207,16 @@ _META_KEYS = ("num_tokens", "vocab_size", "dtype", "tokens_sha256")
 
 def _read_meta(folder: Path) -> dict:
     """meta.json, checked: a damaged one is one line naming the folder (deleting it rebuilds the cache)."""
+    def damaged(reason: str) -> ConfigError:
+        return ConfigError(f"packed tokens {folder}: {META_FILE} is {reason}; delete the folder and the next "
+                           "start rebuilds it from data.source")
+
     try:
         meta = json.loads((folder / META_FILE).read_text())
     except (OSError, ValueError) as e:
-        meta, reason = None, f"unreadable ({type(e).__name__})"
-    else:
-        reason = None if isinstance(meta, dict) and all(k in meta for k in _META_KEYS) else \
-            f"missing some of {', '.join(_META_KEYS)}"
-    if reason is not None:
-        raise ConfigError(f"packed tokens {folder}: {META_FILE} is {reason}; delete the folder and the next "
-                          f"start rebuilds it from data.source")
+        raise damaged(f"unreadable ({type(e).__name__})") from e
+    if not (isinstance(meta, dict) and all(k in meta for k in _META_KEYS)):
+        raise damaged(f"missing some of {', '.join(_META_KEYS)}")
     return meta
 
 

@@ -37,7 +37,7 @@ _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
 VOCAB_MAX = 2**31 - 1  # sentencepiece and the token ids are 32-bit
-FP32_MAX = 3.4028234663852886e38  # the optimizer's hyperparameters become fp32 tensors
+FP32_MAX = torch.finfo(torch.float32).max  # the optimizer's hyperparameters become fp32 tensors
 # Signals a scheduler sends before a time limit or preemption (SIGINT and SIGTERM stay torchrun's).
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))

@@ -9,7 +9,8 @@ Hydra's basic launcher would run each point in-process on one rank, and a sweep 
 run every point on every worker through one rendezvous. These build, per point, the same torchrun
 command as every other launcher (`scripts/launch_command.py`) with `dump_dir={dump_dir}/{job number}`
 (the point's own dump_dir as the config resolves it, made absolute against the directory hydra was
-started in, where the points run too, so relative paths in overrides mean the same), and run it here one point after another (`torchrun`) or submit it as a Slurm job through submitit
+started in, where the points run too, so relative paths in overrides mean the same), and run it here
+one point after another (`torchrun`) or submit it as a Slurm job through submitit
 (`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue).
 A point that fails marks the sweep failed (hydra then exits non-zero); the other points still run.
 
