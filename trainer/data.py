@@ -213,8 +213,8 @@ def _wait_for_main_rank(paths: _CachePaths, tokenizer_given: bool, timeout_s: fl
         _raise_if_main_rank_failed(paths.error, start_wall)
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"data: the main rank did not finish {paths.tokens} within {timeout_s:.0f} s "
-                "(is the cache folder shared by all ranks?)"
+                f"data: the main rank did not finish {paths.tokens} within data.prepare_timeout_s={timeout_s:g} s "
+                "(is the cache folder shared by all ranks? a first tokenization of a large corpus may need more)"
             )
         time.sleep(interval)
         interval = min(interval * 1.5, 2.0)

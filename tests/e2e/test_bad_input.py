@@ -113,6 +113,6 @@ def test_an_error_on_one_rank_is_one_line_with_its_rank_and_the_root_cause(tmp_p
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a second or so of tokenizer training
     proc = train(2, tmp_path / "dump", f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
                  "data.prepare_timeout_s=0.001", "model.vocab_size=512", "seq_len=16", "steps=2", timeout=120)
-    assert_one_error(proc, "rank 1: TimeoutError", "did not finish")
+    assert_one_error(proc, "rank 1: TimeoutError", "did not finish", "within data.prepare_timeout_s=0.001 s")
     root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
     assert "rank      : 1" in root_cause and "in train_or_exit" in root_cause
