@@ -43,6 +43,11 @@ def forget_groups() -> None:
     _group_names.clear()
 
 
+def world() -> ProcessGroup:
+    """Every rank of the job (the collectives take no None for it; see _record)."""
+    return dist.group.WORLD
+
+
 def size_of(group: ProcessGroup | None) -> int:
     """A group's size; no group means this process alone."""
     return 1 if group is None else group.size()
@@ -53,7 +58,7 @@ def rank_in(group: ProcessGroup | None) -> int:
 
 
 def group_name(group: ProcessGroup | None) -> str:
-    if group is None:
+    if group is None or group is dist.group.WORLD:
         return "world"
     return _group_names.get(group, f"group{dist.get_process_group_ranks(group)}")
 
@@ -119,6 +124,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _record(op: str, group: ProcessGroup, nbytes: int) -> None:
+    """Count a collective in the ledger. `group` must be given: in this framework None means "no group"
+    (a parallel dimension of size 1, see size_of), while torch.distributed would take it for every rank."""
+    if group is None:
+        raise ValueError(f"{op} called with group=None, which here means no group; pass the group "
+                         "(dist.group.WORLD for every rank)")
+    LEDGER.record(op, group, nbytes)
+
+
 def set_where(kind: str, text: str) -> None:
     """Where this rank is (kind: "phase", "stage", "unit"), named by a collective that times out."""
     LEDGER.where[kind] = text
@@ -160,18 +174,18 @@ def wait(work: Work, op: str, group: ProcessGroup | None, label: str = "") -> No
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup | None, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+    tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
     label: str = "",
 ) -> Work | None:
-    LEDGER.record("all_reduce", group, _nbytes(tensor))
+    _record("all_reduce", group, _nbytes(tensor))
     with traced("all_reduce", group, label, blocking=not async_op):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = False, label: str = ""
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False, label: str = ""
 ) -> Work | None:
-    LEDGER.record("all_gather", group, _nbytes(output))
+    _record("all_gather", group, _nbytes(output))
     with traced("all_gather", group, label, blocking=not async_op):
         return _all_gather_single(output, shard, group=group, async_op=async_op)
 
@@ -179,38 +193,38 @@ def all_gather_into_tensor(
 def reduce_scatter_tensor(
     output: torch.Tensor,
     full: torch.Tensor,
-    group: ProcessGroup | None,
+    group: ProcessGroup,
     op: ReduceOp = ReduceOp.SUM,
     async_op: bool = False,
     label: str = "",
 ) -> Work | None:
-    LEDGER.record("reduce_scatter", group, _nbytes(full))
+    _record("reduce_scatter", group, _nbytes(full))
     with traced("reduce_scatter", group, label, blocking=not async_op):
         return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(
-    ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup | None, label: str = ""
+    ops: list[tuple[bool, torch.Tensor, int]], group: ProcessGroup, label: str = ""
 ) -> list[Work]:
     """Post point-to-point sends (True) and receives (False) to ranks of `group` as one batch; returns
     one work per op, in order. The ledger counts each as a "send" or "recv" of its tensor's bytes."""
     p2p = []
     for is_send, tensor, peer in ops:
-        LEDGER.record("send" if is_send else "recv", group, _nbytes(tensor))
+        _record("send" if is_send else "recv", group, _nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group, group_peer=peer))
     with traced("send_recv", group, label, blocking=False):
         return dist.batch_isend_irecv(p2p)
 
 
-def barrier(group: ProcessGroup | None = None) -> None:
-    LEDGER.record("barrier", group, 0)
+def barrier(group: ProcessGroup) -> None:
+    _record("barrier", group, 0)
     with traced("barrier", group):
         dist.barrier(group=group)
 
 
-def all_gather_object(obj: object, group: ProcessGroup | None) -> list[object]:
+def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     """For small control messages (checksums, error strings); never for tensors."""
-    LEDGER.record("all_gather_object", group, 0)
+    _record("all_gather_object", group, 0)
     out: list[object] = [None] * dist.get_world_size(group)
     with traced("all_gather_object", group):
         dist.all_gather_object(out, obj, group=group)

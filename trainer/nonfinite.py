@@ -25,7 +25,7 @@ def first_nonfinite_unit(roots: list[FSDPRoot], pp_rank: int, pp: int) -> str | 
                 break
         if mine is not None:
             break
-    found = [entry for entry in comm.all_gather_object(mine, None) if entry is not None]
+    found = [entry for entry in comm.all_gather_object(mine, comm.world()) if entry is not None]
     return min(found)[2] if found else None
 
 

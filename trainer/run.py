@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from parallel.errors import ConfigError
 from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
@@ -114,10 +113,10 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
            stop_request: StopRequest) -> None:
     mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
     # Rank 0's name for the job on every rank (a static launch's is its agent's, so per node).
-    launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, dist.group.WORLD)[0])
+    launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, comm.world())[0])
     dump_dir = Path(cfg.dump_dir)
     lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
-                        dist.group.WORLD)
+                        comm.world())
     try:
         _train_in(cfg, launch, mesh, device, dump_dir, stop_request)
     finally:
@@ -153,7 +152,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     if start_step == cfg.steps:
         log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
         return
-    comm.barrier()  # every rank has read metrics.jsonl (resume) before rank 0 repairs it
+    comm.barrier(comm.world())  # every rank has read metrics.jsonl (resume) before rank 0 repairs it
     config_file = dump_dir / "train_config.json"
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -209,7 +208,7 @@ def _build_data(
 
 def _same_data_on_every_rank(cache_key: str) -> None:
     """The data cache key (source paths, sizes and mtimes, vocabulary, tokenizer) is every rank's."""
-    keys = comm.all_gather_object(cache_key, dist.group.WORLD)
+    keys = comm.all_gather_object(cache_key, comm.world())
     differing = [rank for rank, key in enumerate(keys) if key != keys[0]]
     if differing:
         raise ConfigError(
@@ -227,8 +226,8 @@ def _fit(
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
-    stop = StopOnSignal(stop_request, dist.group.WORLD, trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
-    background = AsyncCheckpointer(ckpt_root, dist.group.WORLD, trainer.mesh.checkpoint_group, rank,
+    stop = StopOnSignal(stop_request, comm.world(), trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
+    background = AsyncCheckpointer(ckpt_root, comm.world(), trainer.mesh.checkpoint_group, rank,
                                    cfg.checkpoint.keep, extra_files, log, trainer.device) \
         if cfg.checkpoint.async_save else None
     try:
@@ -273,7 +272,7 @@ def _checkpoint(
     """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal:
     after the background save in flight, if any, has completed)."""
     comm.set_phase("checkpoint save")
-    if not weights_finite(trainer.roots, dist.group.WORLD):
+    if not weights_finite(trainer.roots, comm.world()):
         raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
     root = Path(cfg.dump_dir) / "checkpoints"
     if background is not None and in_background:
@@ -283,7 +282,7 @@ def _checkpoint(
     if background is not None:
         background.wait()
     start = time.perf_counter()
-    path = save_checkpoint(root, step, state(step=step), dist.group.WORLD, rank, extra_files)
+    path = save_checkpoint(root, step, state(step=step), comm.world(), rank, extra_files)
     if rank == 0:
         prune_checkpoints(root, cfg.checkpoint.keep)
     log(f"saved checkpoint {path} (the step loop stalled {time.perf_counter() - start:.3f} s)")

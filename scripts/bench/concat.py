@@ -53,7 +53,7 @@ def count_concats(trainer, step: int) -> int:
 
 
 def timed_step(trainer, step: int) -> tuple[float, float]:
-    comm.barrier()
+    comm.barrier(comm.world())
     start = time.perf_counter()
     loss = trainer.train_step(step).loss
     slowest = torch.tensor([time.perf_counter() - start])

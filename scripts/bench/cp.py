@@ -99,7 +99,7 @@ def run(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
     for round_ in range(rounds + 1):
         for name in times:
             c = configs[name][0] if name in configs else cores[name][0]
-            comm.barrier()
+            comm.barrier(comm.world())
             start = time.perf_counter()
             if rank < c and name in configs:
                 block, cp = blocks[name], blocks[name].attention.core.cp

@@ -291,7 +291,7 @@ def rank_batch(args: ModelArgs, microbatches: int, step: int, rank: int) -> list
 def timed_step(runner: Runner, batch: list) -> tuple[tuple[float, float, float | None], float, dict]:
     """((step s, forward+backward s, comm wait s), local loss sum, comm) of one step, ranks aligned by a
     barrier outside the timing."""
-    dist.barrier()
+    comm.barrier(comm.world())
     runner.reset_comm()
     start = time.perf_counter()
     loss = runner.step(batch)
@@ -318,8 +318,7 @@ def time_all(rank: int, world: int, args: ModelArgs, microbatches: int, warmup: 
                 round_times.append(seconds)
             if r >= 0:
                 times[cfg].append(round_times)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (times, losses))
+    gathered = comm.all_gather_object((times, losses), comm.world())
     return {"times": slowest_rank(gathered), "losses": global_losses(gathered, args, microbatches), "comm": comms}
 
 
@@ -350,8 +349,7 @@ def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: 
     runner = build(cfg, args, microbatches, mesh)
     for step in range(steps):
         runner.step(rank_batch(args, microbatches, step, rank))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (maxrss_mib(), baseline))
+    gathered = comm.all_gather_object((maxrss_mib(), baseline), comm.world())
     return {"peak": max(p for p, _ in gathered), "increment": max(p - b for p, b in gathered)}
 
 

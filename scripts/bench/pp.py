@@ -135,7 +135,7 @@ class Torch:
 
 
 def timed(runner, step: int) -> float:
-    comm.barrier()
+    comm.barrier(comm.world())
     start = time.perf_counter()
     runner.step(step)
     return time.perf_counter() - start
@@ -145,7 +145,7 @@ def measured_bubble(trace: list) -> tuple[float, CostFn]:
     """From every rank's trace: the idle share of each rank between the step's first start and last end,
     averaged over ranks, and each rank's mean forward and backward times as simulator costs (stages
     differ: the first holds the embedding, the last the head and the loss)."""
-    per_rank = comm.all_gather_object(trace, None)
+    per_rank = comm.all_gather_object(trace, comm.world())
     start = min(s for t in per_rank for _, s, _ in t)
     makespan = max(e for t in per_rank for _, _, e in t) - start
     busy = [sum(e - s for a, s, e in t if a.is_compute) for t in per_rank]
@@ -167,7 +167,7 @@ def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> 
             j = (i + r) % len(configs)
             for side in range((i + r) % len(SIDES), (i + r) % len(SIDES) + len(SIDES)):
                 side %= len(SIDES)
-                times[j][side].append([max(comm.all_gather_object(timed(runners[j][side], 1 + s), None))
+                times[j][side].append([max(comm.all_gather_object(timed(runners[j][side], 1 + s), comm.world()))
                                        for s in range(k)])
     return [_result(cfg, world, sides[0], t, loss) for cfg, sides, t, loss in zip(configs, runners, times, losses)]
 
@@ -196,7 +196,7 @@ def _result(cfg: TrainConfig, world: int, ours: Ours, times: list, losses: list[
 def comm_sum(value: float) -> float:
     """The last stage's loss, on every rank (a sum where the other stages hold zero)."""
     t = torch.tensor([value], dtype=torch.float64)
-    comm.all_reduce(t, None)
+    comm.all_reduce(t, comm.world())
     return t.item()
 
 

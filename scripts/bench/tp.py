@@ -233,7 +233,7 @@ def collectives(cfg: Config, block: nn.Module, inputs: Inputs) -> dict[str, dict
 
 def timed_step(block: nn.Module, x: torch.Tensor, inputs: Inputs) -> float:
     """Seconds of one step on this rank, ranks aligned by a barrier outside the timing."""
-    dist.barrier()
+    comm.barrier(comm.world())
     start = time.perf_counter()
     forward_backward(block, x, inputs)
     return time.perf_counter() - start
@@ -263,8 +263,7 @@ def run_rank(rank: int, world: int, args: ModelArgs, batch: int, warmup: int, ro
     diffs = {cfg: against_tp1(cfg, block, inputs, ref_out, ref_grad) for cfg, block in blocks.items()}
     comms = {cfg: collectives(cfg, block, inputs) for cfg, block in blocks.items()}
     times = interleaved(blocks, inputs, warmup, rounds, k)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (times, diffs))
+    gathered = comm.all_gather_object((times, diffs), comm.world())
     return {"times": slowest_rank([t for t, _ in gathered]), "comm": comms,
             "diffs": {cfg: tuple(map(worst, zip(*(d[cfg] for _, d in gathered)))) for cfg in CONFIGS}}
 

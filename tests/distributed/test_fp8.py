@@ -56,7 +56,7 @@ def _check_fp8(rank: int, world: int) -> None:
 
     # Every rank (tp and dp) holds the same scales and histories, and they moved off their start.
     state = _scaling_state(trainer)
-    gathered = comm.all_gather_object(state.tolist(), None)
+    gathered = comm.all_gather_object(state.tolist(), comm.world())
     assert all(other == gathered[0] for other in gathered), "fp8 scaling state differs across ranks"
     scales = torch.stack([g.scale for g in fp8_gemms(trainer.chunks)])
     assert len(scales) == 4 * FP8_MODEL["n_layers"] and (scales != 1.0).all()
@@ -86,7 +86,7 @@ def _check_first_step(world: int) -> None:
         real = max(0, min(unit.spec.total - unit.rank * unit.spec.shard_size, unit.spec.shard_size))
         first_moment = state[f"{unit.name}.flat_param"]["exp_avg"][:real]  # (1 - beta1) x step 1's gradient
         zeros, total = zeros + int((first_moment == 0).sum()), total + real
-    zeros, total = (sum(x) for x in zip(*comm.all_gather_object((zeros, total), None)))
+    zeros, total = (sum(x) for x in zip(*comm.all_gather_object((zeros, total), comm.world())))
     assert zeros <= 1e-3 * total, f"{zeros} of {total} block gradient entries are zero after step 1"
 
 

@@ -2,6 +2,7 @@
 wording; any other error passes through unchanged."""
 
 import pytest
+import torch
 
 from parallel import comm
 
@@ -35,3 +36,20 @@ def test_other_errors_pass_through(ledger_at_step_3):
         with comm.traced("all_reduce", None):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
     assert type(caught.value) is RuntimeError
+
+
+@pytest.mark.parametrize("collective", [
+    lambda: comm.all_reduce(torch.zeros(2), None),
+    lambda: comm.all_gather_into_tensor(torch.zeros(4), torch.zeros(2), None),
+    lambda: comm.reduce_scatter_tensor(torch.zeros(2), torch.zeros(4), None),
+    lambda: comm.batch_isend_irecv([(True, torch.zeros(2), 1)], None),
+    lambda: comm.barrier(None),
+    lambda: comm.all_gather_object("x", None),
+])
+def test_a_collective_refuses_group_none_which_here_means_no_group(collective):
+    """A parallel dimension of size 1 has group None (size_of(None) == 1); torch.distributed would take
+    None for every rank, so a collective reached with it would silently reduce over the whole job."""
+    comm.LEDGER.reset()
+    with pytest.raises(ValueError, match="group=None, which here means no group"):
+        collective()
+    assert comm.LEDGER.by_op() == {}
