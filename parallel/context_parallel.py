@@ -8,8 +8,8 @@ embeddings use the tokens' global positions.
 Attention sees all keys of the sequence in one of two ways (`context_parallel_comm`):
 
   all_gather  K and V (at n_kv_heads: GQA is expanded only after communicating) are all-gathered over
-              the CP group (the backward reduce-scatters dK/dV); local queries attend with an exact
-              causal mask built from global positions.
+              the CP group (the backward reduce-scatters dK/dV); local queries attend to the gathered
+              blocks one by one, with the same chunk-level causality as the ring.
   ring        K/V blocks rotate around the CP ring point to point, the next rotation posted before the
               current block is computed on; partial results merge by their log-sum-exp in fp32; query
               and key chunks that causality hides from each other are skipped. The backward rotates the
@@ -53,11 +53,10 @@ class CPContext:
         chunks = x.chunk(2 * self.size, dim)
         return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim).contiguous()
 
-    def positions(self, local_len: int, device: torch.device, rank: int | None = None) -> torch.Tensor:
-        """Global positions of the `local_len` tokens CP rank `rank` (default: this one) holds."""
-        rank = self.rank if rank is None else rank
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of the `local_len` tokens this CP rank holds."""
         half = local_len // 2
-        ranges = [torch.arange(c * half, (c + 1) * half, device=device) for c in (rank, 2 * self.size - 1 - rank)]
+        ranges = [torch.arange(c * half, (c + 1) * half, device=device) for c in (self.rank, 2 * self.size - 1 - self.rank)]
         return torch.cat(ranges) if self.size > 1 else torch.arange(local_len, device=device)
 
 
@@ -211,7 +210,8 @@ class _Rotation:
     """One hop of the ring in flight: send `tensor` to the next rank, receive the previous rank's."""
 
     def __init__(self, tensor: torch.Tensor, cp: CPContext, label: str):
-        self.sent, self.received, self.label = tensor, torch.empty_like(tensor), label
+        # The send buffer must stay alive until the hop completes: the transport reads it meanwhile.
+        self.in_transit, self.received, self.label = tensor, torch.empty_like(tensor), label
         self.group = cp.group
         following, previous = (cp.rank + 1) % cp.size, (cp.rank - 1) % cp.size
         self.works: list[Work] = comm.batch_isend_irecv(

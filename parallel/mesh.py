@@ -2,8 +2,9 @@
 
 tp varies fastest, then cp, dp_shard, dp_replicate, pp (Megatron order). FSDP shards over
 dp_shard x cp (CP ranks hold identical weights) and, for HSDP, all-reduces over dp_replicate.
-Every divisibility rule is checked in `ParallelDims` before any process group exists, so a bad
-layout fails with one line instead of a hang.
+`ParallelDims` checks that the sizes multiply to the world size before any process group exists (the
+model-dependent divisibility rules are the caller's, also before), so a bad layout fails with one line
+instead of a hang.
 """
 
 import gc
@@ -87,7 +88,6 @@ class ParallelMesh:
         flat = {
             "dp": ("dp_replicate", "dp_shard"),
             "dp_shard_cp": ("dp_shard", "cp"),
-            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
             # The loss: summed over the data each rank saw, from the last stage (others add zero).
             "pp_dp_cp": ("pp", "dp_replicate", "dp_shard", "cp"),
             # fp8 amaxes: every rank of a pipeline stage (TransformerEngine's tp x cp x dp group).

@@ -1,4 +1,4 @@
-"""Exact model FLOPs per token and the detected device's peak, for TFLOP/s and MFU."""
+"""Model FLOPs per token (the PaLM/Megatron convention) and the detected device's peak, for TFLOP/s and MFU."""
 
 import torch
 

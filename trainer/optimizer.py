@@ -57,9 +57,6 @@ class NamedAdamW:
         """How many updates this optimizer has made (all parameters step together)."""
         return max((int(slot["step"]) for slot in self._state.values()), default=0)
 
-    def named_params(self) -> dict[str, nn.Parameter]:
-        return dict(zip(self.names, self.params))
-
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {step, exp_avg, exp_avg_sq}}; zero-filled before the first step (for loading into)."""
         for name, p in zip(self.names, self.params):

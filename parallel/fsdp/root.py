@@ -1,6 +1,6 @@
 """Shard a model into FSDP units and drive them per microbatch and per step.
 
-The caller (the step loop, later the pipeline runtime) names the units in forward order, tells the
+The caller (the step loop, or the pipeline runtime for each stage) names the units in forward order, tells the
 root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
 `finish_gradient_sync` once after the last microbatch's backward.
 """

@@ -60,7 +60,7 @@ def effective_schedule(schedule: str, vpp: int) -> str:
     return "interleaved_1f1b" if schedule == "1f1b" and vpp > 1 else schedule
 
 
-def check_layout(schedule: str, pp: int, vpp: int) -> None:
+def check_layout(schedule: str, vpp: int) -> None:
     """Which schedules take virtual stages; one line naming the keys otherwise."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline_schedule={schedule} is not one of: {' | '.join(SCHEDULES)}")
@@ -78,7 +78,7 @@ def check_layout(schedule: str, pp: int, vpp: int) -> None:
 
 def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
     """The forwards and backwards of one rank, in the order the schedule runs them."""
-    check_layout(schedule, pp, vpp)
+    check_layout(schedule, vpp)
     schedule = effective_schedule(schedule, vpp)
     if microbatches < 1:
         raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
