@@ -3,6 +3,11 @@
 RoPE uses the rotate-half layout (pairs i and i + head_dim/2), so checkpoints map one-to-one onto
 Hugging Face's Llama weights without permuting the q/k rows. Positions are explicit: under context
 parallelism they are each rank's global token positions.
+
+`model.attn_bias_type=block_causal` keeps attention inside documents: a token attends to the earlier
+tokens of its own document only (packed sequences hold several). It takes an explicit [b, 1, s, s]
+mask (O(s^2) booleans per sequence), built once per forward from the tokens' document ids. Rotary
+scores depend on relative positions only, so a document sees the same attention wherever it sits.
 """
 
 import torch
@@ -41,17 +46,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads."""
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] document ids -> [batch, 1, seq, seq] bool: query i may attend key j when j <= i and
+    both are in the same document."""
+    seq = document_ids.shape[1]
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return (same_document & causal)[:, None]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads. `mask`
+    (block_causal_mask) replaces the plain causal mask."""
     if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     # "math": the plain formula, a reference that any fused kernel must match.
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
@@ -72,10 +90,13 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.impl, self.cp = impl, cp
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp.size > 1:
+            if mask is not None:
+                raise ValueError("model.attn_bias_type=block_causal is not supported with context parallelism")
             return context_parallel_attention(q, k, v, self.cp)
-        return causal_attention(q, k, v, self.impl)
+        return causal_attention(q, k, v, self.impl, mask)
 
 
 class Attention(nn.Module):
@@ -90,10 +111,11 @@ class Attention(nn.Module):
         self.wqkv = ColumnParallelLinear(args.dim, (args.n_heads * args.head_dim, kv, kv), tp, block_gemm(args))
         self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp, block_gemm(args))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tp.enter(x)
         bsz, seq, _ = x.shape
         q, k, v = (t.view(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in self.wqkv.split(self.wqkv(x)))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
-from model.attention import Attention, RotaryEmbedding, block_gemm
+from model.attention import Attention, RotaryEmbedding, block_causal_mask, block_gemm
 from parallel.context_parallel import CPContext
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
@@ -55,8 +55,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -98,16 +99,20 @@ class Transformer(nn.Module):
         self.block_region = getattr(blocks, "region", nullcontext)
         self.head = OutputHead(args, self.tp) if head else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (or, past the first chunk, hidden states [batch, seq or seq/tp under SP,
         dim]) -> logits [batch, seq, vocab/tp] (or hidden states, before the last chunk). Under context
-        parallelism seq is this CP rank's share and positions default to its tokens' global ones."""
+        parallelism seq is this CP rank's share and positions default to its tokens' global ones.
+        `document_ids` [batch, seq] (block_causal; every chunk gets them): attention stays inside each
+        document."""
         h = x if self.tok_embeddings is None else self.tok_embeddings(x)
         if positions is None:
             seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
             positions = self.cp.positions(seq, x.device)
         cos, sin = self.rope(positions, h.dtype)
+        mask = None if document_ids is None else block_causal_mask(document_ids.to(h.device))
         with self.block_region():
             for layer in self.layers.values():
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, mask)
         return h if self.head is None else self.head(h)

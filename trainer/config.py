@@ -141,7 +141,7 @@ class TrainConfig:
         return self.batch_size // self.microbatch_size
 
     def model_args(self) -> ModelArgs:
-        """The model-facing subset of `model.*`, plus the sequence length the RoPE tables must cover."""
+        """The model-facing subset of `model.*`, plus the sequence length (what an HF export declares)."""
         shared = {f.name: getattr(self.model, f.name) for f in fields(ModelArgs) if hasattr(self.model, f.name)}
         return ModelArgs(**shared, max_seq_len=self.seq_len)
 
@@ -162,7 +162,6 @@ ENUMS = {
 
 # Capabilities not built yet: (key, the value that is supported today).
 NOT_SUPPORTED_YET = (
-    ("model.attn_bias_type", "causal"),
     # FSDP's fp32 flat shards are the master weights; pure low-precision parameters are not built.
     ("optim.use_fp32_copy_optim", True),
 )

@@ -21,7 +21,7 @@ from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, note_set_
 from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm
 from parallel.mesh import ParallelMesh
-from parallel.pipeline.runtime import PipelineRuntime
+from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config import TrainConfig
 from trainer.data import BatchLoader
@@ -117,9 +117,8 @@ class Trainer:
         self.start_fp8_scaling()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tp = self.chunks[-1].tp
-        first_or_last = self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
         for batch in range(self.cfg.eval.steps):
-            microbatches = self._cp_shards(self.eval_loader.batch(batch)) if first_or_last else []
+            microbatches = self._cp_shards(self.eval_loader.batch(batch)) if self._reads_batch else []
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
@@ -127,7 +126,8 @@ class Trainer:
                 loss_sum += mb_loss.double()
                 return mb_loss
 
-            self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss)
+            self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss,
+                                     self._chunk_kwargs(self.eval_loader, microbatches))
         for root in self.roots:
             root.reshard()
         discard_step_amaxes(self.fp8_gemms)
@@ -151,10 +151,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        dims = self.mesh.dims
-        pp_rank = self.mesh.rank_in("pp")
-        # Only the first stage reads the inputs and only the last the targets.
-        microbatches = self._cp_shards(self.loader.batch(step - 1)) if pp_rank in (0, dims.pp - 1) else []
+        microbatches = self._cp_shards(self.loader.batch(step - 1)) if self._reads_batch else []
         tp = self.chunks[-1].tp
 
         def inputs(mb: int) -> torch.Tensor:
@@ -166,8 +163,25 @@ class Trainer:
             loss_sum += mb_loss.detach().double()
             return mb_loss / self.global_tokens
 
-        self.runtime.run_step(inputs, loss)
+        self.runtime.run_step(inputs, loss, self._chunk_kwargs(self.loader, microbatches))
         return loss_sum
+
+    @property
+    def _block_causal(self) -> bool:
+        return self.cfg.model.attn_bias_type == "block_causal"
+
+    @property
+    def _reads_batch(self) -> bool:
+        """Only the first stage reads the inputs and only the last the targets; block_causal attention
+        needs the documents on every stage."""
+        return self._block_causal or self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
+
+    def _chunk_kwargs(self, loader: BatchLoader, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> ChunkKwargs:
+        """What every stage's chunk gets besides its input: block_causal's document ids."""
+        if not self._block_causal:
+            return lambda mb: {}
+        ids = [loader.document_ids(tokens).to(self.device) for tokens, _ in microbatches]
+        return lambda mb: {"document_ids": ids[mb]}
 
     def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float) -> StepMetrics:
         tokens_per_s = self.global_tokens / elapsed

@@ -193,7 +193,7 @@ def _build_data(
     dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp
     train_windows, held_out = split_windows(tokens.num_sequences(cfg.seq_len), cfg.data.held_out_fraction)
     sampler = GlobalBatchSampler(train_windows, global_batch, cfg.seed)
-    loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+    loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size, tokenizer.bos_id)
     if not cfg.eval.freq:
         return tokenizer, loader, None
     eval_sampler = HeldOutSampler(held_out, global_batch)
@@ -203,7 +203,8 @@ def _build_data(
             f"{cfg.eval.steps * global_batch} held-out sequences, but data.held_out_fraction="
             f"{cfg.data.held_out_fraction} holds {len(held_out)}; lower eval.steps or raise the fraction"
         )
-    return tokenizer, loader, BatchLoader(tokens, eval_sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size)
+    return tokenizer, loader, BatchLoader(tokens, eval_sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size,
+                                          tokenizer.bos_id)
 
 
 def _same_data_on_every_rank(cache_key: str) -> None:

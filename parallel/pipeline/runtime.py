@@ -28,6 +28,12 @@ from parallel.pipeline.schedule import (
 
 Inputs = Callable[[int], torch.Tensor]  # microbatch -> the first stage's input (token ids)
 Loss = Callable[[torch.Tensor, int], torch.Tensor]  # (last stage's output, microbatch) -> loss to backward
+# microbatch -> keyword arguments every stage's chunk gets besides its input (e.g. document ids)
+ChunkKwargs = Callable[[int], dict[str, torch.Tensor]]
+
+
+def _no_kwargs(microbatch: int) -> dict[str, torch.Tensor]:
+    return {}
 
 
 class PipelineRuntime:
@@ -59,15 +65,16 @@ class PipelineRuntime:
         # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
         self.trace: list[tuple[Action, float, float]] | None = None
 
-    def run_step(self, inputs: Inputs, loss: Loss) -> None:
+    def run_step(self, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs = _no_kwargs) -> None:
         """Run every forward and backward of the step; gradients are left in the FSDP units."""
-        self._run(self.steps, inputs, loss, keep_for_backward=True)
+        self._run(self.steps, inputs, loss, chunk_kwargs, keep_for_backward=True)
 
-    def run_forward(self, inputs: Inputs, loss: Loss) -> None:
+    def run_forward(self, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs = _no_kwargs) -> None:
         """Forwards only (evaluation, under no_grad): the step's program without its backward half."""
-        self._run(self.forward_steps, inputs, loss, keep_for_backward=False)
+        self._run(self.forward_steps, inputs, loss, chunk_kwargs, keep_for_backward=False)
 
-    def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, keep_for_backward: bool) -> None:
+    def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
+             keep_for_backward: bool) -> None:
         for step in steps:
             a, start = step[0], time.time()
             if self.num_stages > 1:
@@ -76,7 +83,7 @@ class PipelineRuntime:
                 self._exchange(step)
             elif a.op == FORWARD:
                 with record_function(str(a)):
-                    self._forward(a, inputs, loss, keep_for_backward)
+                    self._forward(a, inputs, loss, chunk_kwargs, keep_for_backward)
             else:
                 with record_function(str(a)):
                     self._backward(a)
@@ -93,14 +100,15 @@ class PipelineRuntime:
             is_first=a.microbatch == self.first_forward[a.chunk], is_last=a.microbatch == self.last_backward[a.chunk]
         )
 
-    def _forward(self, a: Action, inputs: Inputs, loss: Loss, keep_for_backward: bool) -> None:
+    def _forward(self, a: Action, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
+                 keep_for_backward: bool) -> None:
         self._mark(a)
         stage = stage_of(a, self.pp)
         if stage == 0:
             x = inputs(a.microbatch)
         else:
             x = self._inbox.pop((FORWARD, stage, a.microbatch)).requires_grad_()
-        y = self.chunks[a.chunk](x)
+        y = self.chunks[a.chunk](x, **chunk_kwargs(a.microbatch))
         if stage == self.num_stages - 1:
             y = loss(y, a.microbatch)
         else:

@@ -1,0 +1,77 @@
+"""model.attn_bias_type=block_causal: attention stays inside each packed document. The references are
+computed another way: each document's attention (or whole model) run on that document alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.attention import block_causal_mask, causal_attention
+from model.init import init_weights
+from model.transformer import Transformer
+from trainer.data import BatchLoader
+
+BOS = 1
+# A window that opens inside a document (its tail is document 0), a one-token document, a longer one.
+DOCUMENT_LENGTHS = (3, 1, 5, 7)
+ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+
+
+def _document_ids() -> torch.Tensor:
+    return torch.cat([torch.full((n,), d) for d, n in enumerate(DOCUMENT_LENGTHS)])[None]
+
+
+def _bounds() -> list[tuple[int, int]]:
+    ends = np.cumsum(DOCUMENT_LENGTHS).tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_block_causal_attention_equals_each_document_attended_alone(impl):
+    torch.manual_seed(0)
+    seq = sum(DOCUMENT_LENGTHS)
+    q = torch.randn(1, 4, seq, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, seq, 8, requires_grad=True) for _ in range(2))
+    out = causal_attention(q, k, v, impl, block_causal_mask(_document_ids()))
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for start, end in _bounds():
+        alone_q, alone_k, alone_v = (t.detach()[:, :, start:end].requires_grad_() for t in (q, k, v))
+        alone = causal_attention(alone_q, alone_k, alone_v, "math")
+        alone_grads = torch.autograd.grad(alone.square().sum(), (alone_q, alone_k, alone_v))
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=1e-5, atol=1e-6)
+        for grad, want in zip(grads, alone_grads):
+            torch.testing.assert_close(grad[:, :, start:end], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_document_gets_the_logits_it_gets_alone_and_plain_causal_does_not():
+    """Rotary scores depend on relative positions only, so with the mask a document's logits do not
+    depend on where in the sequence it sits, nor on what precedes it."""
+    model = Transformer(ARGS)
+    init_weights(model, ARGS, seed=3)
+    tokens = torch.randint(2, ARGS.vocab_size, (1, sum(DOCUMENT_LENGTHS)))
+    with torch.no_grad():
+        packed = model(tokens, document_ids=_document_ids())
+        plain = model(tokens)
+        for start, end in _bounds():
+            alone = model(tokens[:, start:end])
+            torch.testing.assert_close(packed[:, start:end], alone, rtol=1e-4, atol=1e-5)
+    last_start = _bounds()[-1][0]
+    assert (plain[:, last_start:] - packed[:, last_start:]).abs().max() > 1e-2  # the mask is not a no-op
+
+
+def test_document_ids_start_at_each_bos_of_the_packed_tokens():
+    class Windows:
+        def sequence(self, index: int, seq_len: int) -> np.ndarray:
+            return np.array([7, 8, BOS, 9, 2, BOS, 5, BOS, BOS, 6])[: seq_len + 1]
+
+    class OneWindow:
+        global_batch_size = 1
+
+        def rank_indices(self, step: int, rank: int, size: int) -> list[int]:
+            return [0]
+
+    loader = BatchLoader(Windows(), OneWindow(), 9, 0, 1, 1, document_start_id=BOS)
+    inputs, _ = loader.batch(0)[0]
+    assert loader.document_ids(inputs).tolist() == [[0, 0, 1, 1, 1, 2, 2, 3, 4]]
+    with pytest.raises(ValueError, match="without document_start_id"):
+        BatchLoader(Windows(), OneWindow(), 9, 0, 1, 1).document_ids(inputs)
