@@ -5,10 +5,14 @@ Hugging Face's Llama weights without permuting the q/k rows. Positions are expli
 parallelism they are each rank's global token positions.
 
 `model.attn_bias_type=block_causal` keeps attention inside documents: a token attends to the earlier
-tokens of its own document only (packed sequences hold several). It takes an explicit [b, 1, s, s]
-mask (O(s^2) booleans per sequence), built once per forward from the tokens' document ids. Rotary
-scores depend on relative positions only, so a document sees the same attention wherever it sits.
+tokens of its own document only (packed sequences hold several). Without CP that is an explicit
+[b, 1, s, s] mask (O(s^2) booleans per sequence), built once per forward and shared by every layer;
+under CP each pair of chunks builds its own piece from the document ids. Rotary scores depend on
+relative positions only, so a document sees the same attention wherever it sits.
 """
+
+from dataclasses import dataclass
+
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim]."""
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The packed documents of a microbatch (block_causal): `ids` [batch, seq] of the whole sequence,
+    under CP too; `mask` its block_causal_mask, None under CP (which masks chunk by chunk)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -91,12 +104,10 @@ class AttentionCore(nn.Module):
         self.impl, self.cp = impl, cp
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         if self.cp.size > 1:
-            if mask is not None:
-                raise ValueError("model.attn_bias_type=block_causal is not supported with context parallelism")
-            return context_parallel_attention(q, k, v, self.cp)
-        return causal_attention(q, k, v, self.impl, mask)
+            return context_parallel_attention(q, k, v, self.cp, None if documents is None else documents.ids)
+        return causal_attention(q, k, v, self.impl, None if documents is None else documents.mask)
 
 
 class Attention(nn.Module):
@@ -112,10 +123,10 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(args.n_heads * args.head_dim, args.dim, tp, block_gemm(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         x = self.tp.enter(x)
         bsz, seq, _ = x.shape
         q, k, v = (t.view(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in self.wqkv.split(self.wqkv(x)))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v, mask)
+        out = self.core(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

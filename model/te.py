@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from model.args import ModelArgs
-from model.attention import AttentionCore, apply_rotary
+from model.attention import AttentionCore, Documents, apply_rotary
 from model.fp8 import Fp8Recipe
 from model.transformer import RMSNorm
 from parallel.context_parallel import CPContext
@@ -136,14 +136,14 @@ class TEAttention(_MicrobatchMarks):
         self.wo = row_linear(args.n_heads * args.head_dim, args.dim, tp)
 
     def forward(self, x: torch.Tensor, norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq_first: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+                seq_first: bool, documents: Documents | None = None) -> torch.Tensor:
         _give_norm_weight(self.wqkv, norm_weight)
         qkv = self.wqkv(x, is_first_microbatch=self.is_first_microbatch)
         if seq_first:
             qkv = qkv.transpose(0, 1)
         bsz, seq, _ = qkv.shape
         q, k, v = (t.reshape(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.local_sizes, -1))
-        out = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, mask).transpose(1, 2)
+        out = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, documents).transpose(1, 2)
         out = out.transpose(0, 1) if seq_first else out
         return self.wo(out.reshape(*out.shape[:2], -1).contiguous(), is_first_microbatch=self.is_first_microbatch)
 
@@ -176,10 +176,10 @@ class TETransformerBlock(nn.Module):
         self.feed_forward = TEFeedForward(args, tp, cache_fp8_weights)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         seq_first = self.sequence_parallel
         h = x.transpose(0, 1).contiguous() if seq_first else x
-        h = h + self.attention(h, self.attention_norm.weight, cos, sin, seq_first, mask)
+        h = h + self.attention(h, self.attention_norm.weight, cos, sin, seq_first, documents)
         h = h + self.feed_forward(h, self.ffn_norm.weight)
         return h.transpose(0, 1).contiguous() if seq_first else h
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
-from model.attention import Attention, RotaryEmbedding, block_causal_mask, block_gemm
+from model.attention import Attention, Documents, RotaryEmbedding, block_causal_mask, block_gemm
 from parallel.context_parallel import CPContext
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
@@ -56,8 +56,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+                documents: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -104,15 +104,18 @@ class Transformer(nn.Module):
         """tokens [batch, seq] (or, past the first chunk, hidden states [batch, seq or seq/tp under SP,
         dim]) -> logits [batch, seq, vocab/tp] (or hidden states, before the last chunk). Under context
         parallelism seq is this CP rank's share and positions default to its tokens' global ones.
-        `document_ids` [batch, seq] (block_causal; every chunk gets them): attention stays inside each
-        document."""
+        `document_ids` [batch, seq] (block_causal; every chunk gets them; under CP the whole sequence's):
+        attention stays inside each document."""
         h = x if self.tok_embeddings is None else self.tok_embeddings(x)
         if positions is None:
             seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
             positions = self.cp.positions(seq, x.device)
         cos, sin = self.rope(positions, h.dtype)
-        mask = None if document_ids is None else block_causal_mask(document_ids.to(h.device))
+        documents = None if document_ids is None else self._documents(document_ids.to(h.device))
         with self.block_region():
             for layer in self.layers.values():
-                h = layer(h, cos, sin, mask)
+                h = layer(h, cos, sin, documents)
         return h if self.head is None else self.head(h)
+
+    def _documents(self, ids: torch.Tensor) -> Documents:
+        return Documents(ids, None if self.cp.size > 1 else block_causal_mask(ids))

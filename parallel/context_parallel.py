@@ -19,6 +19,10 @@ Attention sees all keys of the sequence in one of two ways (`context_parallel_co
 Both use one attention core that returns its log-sum-exp (`attention_with_lse`) and a backward
 that takes the queries' final output and log-sum-exp: torch's CPU flash-attention kernel on CPU, the
 plain formula in fp32 elsewhere (the two are held together by tests/unit/test_cp_attention.py).
+
+With document ids (block-causal attention over packed documents; every rank has the whole sequence's),
+each visible chunk pair also masks the query-key pairs of different documents. A query can then see no
+key of a block at all: its block result is 0 with log-sum-exp -inf, which the merge skips.
 """
 
 from dataclasses import dataclass
@@ -60,48 +64,65 @@ class CPContext:
         return torch.cat(ranges) if self.size > 1 else torch.arange(local_len, device=device)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) v and the rows' log-sum-exp, both fp32; k/v have q's head count; `causal`
-    (q and k the same tokens): each query sees the keys up to itself. On CPU torch's flash kernel, which
-    returns the log-sum-exp; elsewhere the plain formula."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out.float(), lse
-    return math_attention_with_lse(q, k, v, causal)
+    (q and k the same tokens): each query sees the keys up to itself. `allowed` [b, s_q, s_k] bool
+    (block_causal's documents, causality included) replaces `causal`; a query with no allowed key gets
+    output 0 and log-sum-exp -inf, so merging it adds nothing. On CPU torch's flash kernel, which returns
+    the log-sum-exp; elsewhere the plain formula."""
+    if q.device.type != "cpu":
+        return math_attention_with_lse(q, k, v, causal, allowed)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal and allowed is None, attn_mask=_additive(allowed, q.dtype))
+    if allowed is not None:  # the kernel gives such a row a log-sum-exp of 0
+        lse = lse.masked_fill(~allowed.any(-1)[:, None], float("-inf"))
+    return out.float(), lse
 
 
-def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _scores(q, k, causal)
+def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                            allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(q, k, causal, allowed)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v.float(), lse
+    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(scores == float("-inf"), 0.0)  # no NaN rows
+    return probs @ v.float(), lse
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       lse: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (fp32) of one query/key block, given the FINAL output and log-sum-exp of the queries
     over all blocks: the probabilities exp(s - lse) are then this block's share of the whole softmax."""
-    if q.device.type == "cpu":
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal)
-        return tuple(g.float() for g in grads)
-    return math_attention_backward(grad_out, q, k, v, out, lse, causal)
+    if q.device.type != "cpu":
+        return math_attention_backward(grad_out, q, k, v, out, lse, causal, allowed)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal and allowed is None,
+        attn_mask=_additive(allowed, q.dtype))
+    return tuple(g.float() for g in grads)
 
 
 def math_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor, causal: bool
+                            out: torch.Tensor, lse: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, out = grad_out.float(), out.float()
-    probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    probs = torch.exp(_scores(q, k, causal, allowed) - lse.unsqueeze(-1))
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
     grad_scores = probs * (grad_out @ v.float().transpose(-2, -1) - delta) * q.shape[-1] ** -0.5
     return grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(), probs.transpose(-2, -1) @ grad_out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[b, s_q, s_k] bool -> the kernel's [b, 1, s_q, s_k] additive mask (0 or -inf, in q's dtype)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None) -> torch.Tensor:
     scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    elif causal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
@@ -117,11 +138,14 @@ def _sum_kv_groups(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence: [b, heads, s/C, d] -> same."""
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext,
+                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence: [b, heads, s/C, d] -> same.
+    `document_ids` [b, s] (block_causal; the whole sequence's, on every CP rank): a query sees only the
+    keys of its own document."""
     if cp.comm_mode == "ring":
-        return _RingAttention.apply(q, k, v, cp)
-    return _GatheredAttention.apply(q, _gather_kv(k, cp.group), _gather_kv(v, cp.group), cp)
+        return _RingAttention.apply(q, k, v, cp, document_ids)
+    return _GatheredAttention.apply(q, _gather_kv(k, cp.group), _gather_kv(v, cp.group), cp, document_ids)
 
 
 def _gather_kv(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -132,40 +156,56 @@ def _gather_kv(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 # --- one rank's queries against one rank's block of keys -------------------------------------------
-def _visible_pairs(rank: int, holder: int, size: int) -> list[tuple[int, int, bool]]:
-    """(query half, key half, causal) pairs of this rank's queries and `holder`'s block that causality
-    does not hide: halves are chunks (rank, 2C-1-rank) of the sequence; a pair of the same chunk is a
-    lower triangle, a key chunk before the query chunk is seen whole, one after it not at all."""
+def _visible_pairs(rank: int, holder: int, size: int) -> list[tuple[int, int, int, int]]:
+    """(query half, key half, query chunk, key chunk) of this rank's queries and `holder`'s block that
+    causality does not hide: halves are chunks (rank, 2C-1-rank) of the sequence; a pair of the same chunk
+    is a lower triangle, a key chunk before the query chunk is seen whole, one after it not at all."""
     q_chunks, k_chunks = (rank, 2 * size - 1 - rank), (holder, 2 * size - 1 - holder)
-    return [(qa, kb, k_chunk == q_chunk) for qa, q_chunk in enumerate(q_chunks)
+    return [(qa, kb, q_chunk, k_chunk) for qa, q_chunk in enumerate(q_chunks)
             for kb, k_chunk in enumerate(k_chunks) if k_chunk <= q_chunk]
 
 
+def _allowed(document_ids: torch.Tensor | None, q_chunk: int, k_chunk: int, half: int) -> torch.Tensor | None:
+    """block_causal: which (query, key) pairs of two chunks share a document, causal within one chunk
+    ([b, half, half] bool); None without documents."""
+    if document_ids is None:
+        return None
+    queries = document_ids[:, q_chunk * half : (q_chunk + 1) * half]
+    keys = document_ids[:, k_chunk * half : (k_chunk + 1) * half]
+    allowed = queries[:, :, None] == keys[:, None, :]
+    if q_chunk == k_chunk:
+        allowed &= torch.ones(half, half, dtype=torch.bool, device=allowed.device).tril()
+    return allowed
+
+
 def _attend_block(q: torch.Tensor, block: torch.Tensor, holder: int, cp: CPContext, out: torch.Tensor,
-                  lse: torch.Tensor) -> None:
+                  lse: torch.Tensor, document_ids: torch.Tensor | None) -> None:
     """Merge the attention of q over `holder`'s [K; V] block into the running out / lse (in place)."""
     half, heads = q.shape[SEQ] // 2, q.shape[1]
-    for qa, kb, causal in _visible_pairs(cp.rank, holder, cp.size):
-        rows, cols = slice(qa * half, (qa + 1) * half), slice(kb * half, (kb + 1) * half)
+    for qa, kb, q_chunk, k_chunk in _visible_pairs(cp.rank, holder, cp.size):
+        rows, cols, causal = slice(qa * half, (qa + 1) * half), slice(kb * half, (kb + 1) * half), q_chunk == k_chunk
         keys, values = (_expand_kv(t[:, :, cols], heads) for t in block)
-        part, part_lse = attention_with_lse(q[:, :, rows], keys, values, causal)
+        allowed = _allowed(document_ids, q_chunk, k_chunk, half)
+        part, part_lse = attention_with_lse(q[:, :, rows], keys, values, causal, allowed)
         merged = torch.logaddexp(lse[:, :, rows], part_lse)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
-                           + part * torch.exp(part_lse - merged).unsqueeze(-1))
+        base = merged.masked_fill(merged == float("-inf"), 0.0)  # a row no allowed key reached yet stays 0
+        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - base).unsqueeze(-1)
+                           + part * torch.exp(part_lse - base).unsqueeze(-1))
         lse[:, :, rows] = merged
         cp.unmasked_pairs += half * (half + 1) // 2 if causal else half * half
 
 
 def _attend_block_backward(q: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            block: torch.Tensor, holder: int, cp: CPContext, grad_q: torch.Tensor,
-                           grad_block: torch.Tensor) -> None:
+                           grad_block: torch.Tensor, document_ids: torch.Tensor | None) -> None:
     """Add this block's share of dQ into grad_q and its dK/dV into grad_block (in place)."""
     half, heads, kv_heads = q.shape[SEQ] // 2, q.shape[1], block.shape[2]
-    for qa, kb, causal in _visible_pairs(cp.rank, holder, cp.size):
+    for qa, kb, q_chunk, k_chunk in _visible_pairs(cp.rank, holder, cp.size):
         rows, cols = slice(qa * half, (qa + 1) * half), slice(kb * half, (kb + 1) * half)
         keys, values = (_expand_kv(t[:, :, cols], heads) for t in block)
         dq, dk, dv = attention_backward(grad_out[:, :, rows], q[:, :, rows], keys, values, out[:, :, rows],
-                                        lse[:, :, rows], causal)
+                                        lse[:, :, rows], q_chunk == k_chunk,
+                                        _allowed(document_ids, q_chunk, k_chunk, half))
         grad_q[:, :, rows] += dq
         grad_block[0][:, :, cols] += _sum_kv_groups(dk, kv_heads)
         grad_block[1][:, :, cols] += _sum_kv_groups(dv, kv_heads)
@@ -181,15 +221,15 @@ class _GatheredAttention(torch.autograd.Function):
     """Local queries against the gathered K/V, block by block (rank j's share is block j)."""
 
     @staticmethod
-    def forward(ctx, q, k_all, v_all, cp):
+    def forward(ctx, q, k_all, v_all, cp, document_ids):
         out, lse = _empty_result(q)
         width = k_all.shape[SEQ] // cp.size
         for holder in range(cp.size):
             block = torch.stack([k_all[:, :, holder * width : (holder + 1) * width],
                                  v_all[:, :, holder * width : (holder + 1) * width]])
-            _attend_block(q, block, holder, cp, out, lse)
+            _attend_block(q, block, holder, cp, out, lse, document_ids)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.document_ids = cp, document_ids
         return out.to(q.dtype)
 
     @staticmethod
@@ -201,8 +241,9 @@ class _GatheredAttention(torch.autograd.Function):
         for holder in range(cp.size):
             cols = slice(holder * width, (holder + 1) * width)
             block = torch.stack([k_all[:, :, cols], v_all[:, :, cols]])
-            _attend_block_backward(q, grad_out, out, lse, block, holder, cp, grad_q, grad_kv[:, :, :, cols])
-        return grad_q.to(q.dtype), grad_kv[0].to(k_all.dtype), grad_kv[1].to(v_all.dtype), None
+            _attend_block_backward(q, grad_out, out, lse, block, holder, cp, grad_q, grad_kv[:, :, :, cols],
+                                   ctx.document_ids)
+        return grad_q.to(q.dtype), grad_kv[0].to(k_all.dtype), grad_kv[1].to(v_all.dtype), None, None
 
 
 # --- ring ---------------------------------------------------------------------------------------
@@ -228,16 +269,16 @@ class _RingAttention(torch.autograd.Function):
     """At step i a rank holds the [K; V] block of rank r - i, the next one already on its way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp):
+    def forward(ctx, q, k, v, cp, document_ids):
         out, lse = _empty_result(q)
         block = torch.stack([k, v])
         for step in range(cp.size):
             rotation = _Rotation(block, cp, "cp ring kv") if step < cp.size - 1 else None
-            _attend_block(q, block, (cp.rank - step) % cp.size, cp, out, lse)
+            _attend_block(q, block, (cp.rank - step) % cp.size, cp, out, lse, document_ids)
             if rotation is not None:
                 block = rotation.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.document_ids = cp, document_ids
         return out.to(q.dtype)
 
     @staticmethod
@@ -250,11 +291,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             rotation = _Rotation(block, cp, "cp ring kv") if step < cp.size - 1 else None
             grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
-            _attend_block_backward(q, grad_out, out, lse, block, (cp.rank - step) % cp.size, cp, grad_q, grads)
+            _attend_block_backward(q, grad_out, out, lse, block, (cp.rank - step) % cp.size, cp, grad_q, grads,
+                                   ctx.document_ids)
             if accumulator is not None:
                 grads += accumulator.wait()
             accumulator = _Rotation(grads, cp, "cp ring dkv")
             if rotation is not None:
                 block = rotation.wait()
         grad_k, grad_v = accumulator.wait()  # the last hop brings each rank its own block's gradients
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -118,7 +118,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tp = self.chunks[-1].tp
         for batch in range(self.cfg.eval.steps):
-            microbatches = self._cp_shards(self.eval_loader.batch(batch)) if self._reads_batch else []
+            full = self.eval_loader.batch(batch) if self._reads_batch else []
+            microbatches = self._cp_shards(full) if self._reads_batch else []
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
@@ -127,7 +128,7 @@ class Trainer:
                 return mb_loss
 
             self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss,
-                                     self._chunk_kwargs(self.eval_loader, microbatches))
+                                     self._chunk_kwargs(self.eval_loader, full))
         for root in self.roots:
             root.reshard()
         discard_step_amaxes(self.fp8_gemms)
@@ -151,7 +152,8 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        microbatches = self._cp_shards(self.loader.batch(step - 1)) if self._reads_batch else []
+        full = self.loader.batch(step - 1) if self._reads_batch else []
+        microbatches = self._cp_shards(full) if self._reads_batch else []
         tp = self.chunks[-1].tp
 
         def inputs(mb: int) -> torch.Tensor:
@@ -163,7 +165,7 @@ class Trainer:
             loss_sum += mb_loss.detach().double()
             return mb_loss / self.global_tokens
 
-        self.runtime.run_step(inputs, loss, self._chunk_kwargs(self.loader, microbatches))
+        self.runtime.run_step(inputs, loss, self._chunk_kwargs(self.loader, full))
         return loss_sum
 
     @property
@@ -177,7 +179,8 @@ class Trainer:
         return self._block_causal or self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
 
     def _chunk_kwargs(self, loader: BatchLoader, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> ChunkKwargs:
-        """What every stage's chunk gets besides its input: block_causal's document ids."""
+        """What every stage's chunk gets besides its input: block_causal's document ids, of the whole
+        sequences (before any CP cut)."""
         if not self._block_causal:
             return lambda mb: {}
         ids = [loader.document_ids(tokens).to(self.device) for tokens, _ in microbatches]

@@ -149,9 +149,6 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
         if cfg.seq_len % (2 * cfg.context_parallel_size):
             raise ConfigError(f"seq_len={cfg.seq_len} is not divisible by 2 x context_parallel_size = "
                               f"{2 * cfg.context_parallel_size} (each CP rank takes two load-balanced halves)")
-        if m.attn_bias_type == "block_causal":
-            raise ConfigError(f"model.attn_bias_type=block_causal is not supported with context_parallel_size="
-                              f"{cfg.context_parallel_size} yet (CP's attention is causal only); use causal or cp=1")
         if m.sequence_parallel:
             _divisible("seq_len / context_parallel_size", cfg.seq_len // cfg.context_parallel_size,
                        "model_parallel_size (model.sequence_parallel=true)", tp)

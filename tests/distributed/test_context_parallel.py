@@ -1,5 +1,6 @@
 """Context parallelism on gloo ranks. The attention against full single-rank attention: C in {2, 4},
-both exchange modes, causal GQA; outputs and dQ/dK/dV within 1e-5 (fp32); the ring's exact rotation
+both exchange modes, causal GQA, and block_causal documents (boundaries inside chunks and on chunk edges,
+chunk pairs where queries see no key); outputs and dQ/dK/dV within 1e-5 (fp32); the ring's exact rotation
 counts and one-block buffers from the ledger; equal causal work on every CP rank. Then the trainer's
 step (fp32, 5 steps) with C = 2 and 4 in both modes, tp2 x cp2 with SP, pp2 x cp2 and HSDP x cp2
 against the one-process losses and gradient norms within 1e-5."""
@@ -7,7 +8,7 @@ against the one-process losses and gradient norms within 1e-5."""
 import torch
 import torch.distributed as dist
 
-from model.attention import causal_attention
+from model.attention import block_causal_mask, causal_attention
 from parallel import comm
 from parallel.context_parallel import CPContext, context_parallel_attention
 from tests.distributed.pipeline_cases import (
@@ -16,24 +17,36 @@ from tests.distributed.pipeline_cases import (
 from tests.distributed.spawn import run_ranks
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 32, 8
+# Per sequence: document starts (the first holds a document's tail). With C=4 a chunk is 4 tokens:
+# starts at 8 and 24 fall on chunk edges, the others inside chunks; the second sequence is one document.
+DOCUMENT_STARTS = ([3, 8, 9, 13, 20, 24, 31], [])
 
 
-def _reference(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _document_ids() -> torch.Tensor:
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for row, starts in enumerate(DOCUMENT_STARTS):
+        for start in starts:
+            ids[row, start:] += 1
+    return ids
+
+
+def _reference(seed: int, document_ids: torch.Tensor | None = None
+               ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=gen).requires_grad_()
     k = torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, generator=gen).requires_grad_()
     v = torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, generator=gen).requires_grad_()
     grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=gen)
-    out = causal_attention(q, k, v, "math")
+    out = causal_attention(q, k, v, "math", None if document_ids is None else block_causal_mask(document_ids))
     out.backward(grad_out)
     return [q, k, v], out.detach(), grad_out, [q.grad, k.grad, v.grad]
 
 
-def _check_cp(cp: CPContext, label: str) -> None:
-    inputs, ref_out, grad_out, ref_grads = _reference(seed=7)
+def _check_cp(cp: CPContext, label: str, document_ids: torch.Tensor | None = None) -> None:
+    inputs, ref_out, grad_out, ref_grads = _reference(7, document_ids)
     local = [cp.shard(t.detach(), dim=2).requires_grad_() for t in inputs]
     comm.LEDGER.reset()
-    out = context_parallel_attention(*local, cp)
+    out = context_parallel_attention(*local, cp, document_ids)
     forward = comm.LEDGER.by_op()
     out.backward(cp.shard(grad_out, dim=2))
     torch.testing.assert_close(out, cp.shard(ref_out, dim=2), rtol=1e-5, atol=1e-5, msg=label)
@@ -63,6 +76,8 @@ def _check_all(rank: int, world: int) -> None:
         assert len(set(counts)) == 1, counts
         assert sum(counts) == SEQ * (SEQ + 1) // 2  # together exactly the causal triangle, nothing masked twice
         assert work["all_gather"] == work["ring"]
+        for mode in ("all_gather", "ring"):
+            _check_cp(CPContext(group, mode), f"C={size} {mode} block_causal", _document_ids())
 
 
 def test_context_parallel_attention_matches_full_attention():

@@ -1,6 +1,7 @@
 """model.attn_bias_type=block_causal end to end, on a corpus of short documents (several per 64-token
-sequence): tp2+SP x pp2 with selective recompute, and dp2 with full recompute, give the one-process
-losses, gradient norms and eval losses; and the mask changes the numbers (it is not a no-op)."""
+sequence): tp2+SP x pp2 with selective recompute, cp2 (all_gather) x dp2 with full recompute, and cp2
+(ring) x tp2+SP give the one-process losses, gradient norms and eval losses; and the mask changes the
+numbers (it is not a no-op)."""
 
 import json
 import math
@@ -31,7 +32,11 @@ def test_block_causal_matches_one_process_on_every_layout_and_differs_from_causa
         "tp2sp_pp2": train_ok(4, tmp_path / "tp2pp2", *block, "batch_size=4", "microbatch_size=2",
                               "model_parallel_size=2", "model.sequence_parallel=true", "pipeline_parallel_size=2",
                               "model.layer_ckpt=selective"),
-        "dp2": train_ok(2, tmp_path / "dp2", *block, "batch_size=2", "model.layer_ckpt=full"),
+        "cp2_all_gather_dp2": train_ok(4, tmp_path / "cp2dp2", *block, "batch_size=2", "context_parallel_size=2",
+                                       "model.layer_ckpt=full"),
+        "cp2_ring_tp2sp": train_ok(4, tmp_path / "cp2tp2", *block, "batch_size=4", "context_parallel_size=2",
+                                   "context_parallel_comm=ring", "model_parallel_size=2",
+                                   "model.sequence_parallel=true"),
     }
     for name, records in layouts.items():
         for record, want in zip(records, one, strict=True):

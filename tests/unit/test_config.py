@@ -121,8 +121,6 @@ def test_llama3_8b_dimensions():
         (["context_parallel_size=2", "model.efficient_attn=math"], 2,
          "model.efficient_attn=math needs context_parallel_size=1 (CP computes its own attention)"),
         (["eval.steps=3"], 1, "eval.steps=3 needs eval.freq > 0; without it the key changes nothing"),
-        (["context_parallel_size=2", "model.attn_bias_type=block_causal"], 2,
-         "model.attn_bias_type=block_causal is not supported with context_parallel_size=2 yet"),
         (["checkpoint.async_save=true"], 1, "checkpoint.async_save=True needs checkpoint.freq > 0"),
     ],
 )

@@ -35,3 +35,36 @@ def test_flash_and_math_cores_agree_blockwise(causal: bool) -> None:
             dk, dv = (torch.cat([a, b], dim=2) for a, b in zip(first[1:], second[1:]))
         for got, want in zip((dq, dk, dv), (qq.grad, kk.grad, vv.grad)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_and_math_cores_agree_under_a_document_mask_with_rows_that_see_no_key() -> None:
+    """block_causal under CP: a chunk pair where some queries share no document with any key. Those rows
+    must come back as output 0 and log-sum-exp -inf (the CPU kernel itself reports 0), so that merging
+    the block adds nothing; the others match SDPA with the same mask, and so do the gradients."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 8, 8, generator=gen) for _ in range(3))
+    grad_out = torch.randn(2, 4, 8, 8, generator=gen)
+    query_docs = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5, 5]])
+    key_docs = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2], [5, 5, 5, 5, 6, 6, 6, 6]])
+    allowed = query_docs[:, :, None] == key_docs[:, None, :]
+    blind = ~allowed.any(-1)  # row 0: the query of document 3 sees nothing
+    assert blind.sum() == 1
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    results = [core(q, k, v, False, allowed) for core in (attention_with_lse, math_attention_with_lse)]
+    for out, lse in results:
+        assert torch.isinf(lse[blind[:, None].expand_as(lse)]).all() and (lse[blind[:, None].expand_as(lse)] < 0).all()
+        assert (out.masked_select(blind[:, None, :, None]) == 0).all() and torch.isfinite(out).all()
+        seen = ~blind[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(out[seen], reference[seen], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
+    # Gradients through the final output (here this one block): SDPA's, rows that see nothing aside.
+    out, lse = results[1]
+    visible = ~blind
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    masked_ref = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed[:, None])
+    (masked_ref * visible[:, None, :, None]).backward(grad_out)
+    for backward in (attention_backward, math_attention_backward):
+        grads = backward(grad_out * visible[:, None, :, None], q, k, v, out, lse.masked_fill(blind[:, None], 0.0),
+                         False, allowed)
+        for got, want in zip(grads, (qq.grad, kk.grad, vv.grad)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
