@@ -7,7 +7,6 @@ from model.fp8 import Fp8Recipe
 
 @dataclass(frozen=True)
 class ModelArgs:
-    name: str = "tiny"
     n_layers: int = 2
     dim: int = 64
     n_heads: int = 4
@@ -19,7 +18,6 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 128
     efficient_attn: str = "sdpa"
-    attn_bias_type: str = "causal"
     use_fp8: bool = False
     fp8_format: str = "hybrid"
     fp8_margin: int = 0
