@@ -18,6 +18,7 @@ counts only what the host itself waited.
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -152,7 +153,7 @@ def _timed_out(e: RuntimeError) -> bool:
 
 
 @contextmanager
-def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool = True):
+def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool = True) -> Iterator[None]:
     """The profiler range of a collective (or of waiting for one); a blocking one's time is exposed comm.
     A timeout becomes one CommTimeout line naming the op, the group and where the rank is."""
     start = time.perf_counter()

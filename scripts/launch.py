@@ -57,7 +57,7 @@ class TrainOnNode:
             raise RuntimeError(f"torchrun exited with {code}")
         return code
 
-    def checkpoint(self):
+    def checkpoint(self) -> object:
         """Runs inside submitit's signal handler, on the main thread, which may be inside __call__'s
         wait: waits for the trainer to save and exit, then returns the resubmission."""
         import submitit
@@ -82,7 +82,7 @@ def wait_for_exit(pid: int) -> int | None:
         time.sleep(0.2)
 
 
-def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None):
+def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None) -> object:
     """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit."""
     import submitit
 

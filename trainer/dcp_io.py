@@ -82,7 +82,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        """DCP's .metadata through an unpickler that loads only DCP's own types."""
         with (Path(self.path) / ".metadata").open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if getattr(metadata, "storage_meta", None) is not None:

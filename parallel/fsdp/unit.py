@@ -95,14 +95,8 @@ class FSDPUnit:
         self.tp = tp or TPGroups()
         self.rank = shard_group.rank()
         self.spec = FlatParamSpec.of_module(module, shard_group.size())
-        if not self.spec.names:
-            raise ValueError(f"FSDP unit {name} has no parameters (nothing to shard): leave it out of the units")
-        owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.spec.names]
+        owners = _trainable_owners(name, module, self.spec)
         params = [getattr(sub, attr) for sub, attr in owners]
-        frozen = [n for n, p in zip(self.spec.names, params) if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
-                             f"parameter trains every element it holds (the frozen one would be trained)")
         # How each parameter is split over TP (checkpoints map shards to full parameters with it), and
         # the flat slices of those that are not split (norm weights).
         self.tp_splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for p in params)
@@ -112,13 +106,8 @@ class FSDPUnit:
         ]
         # Parameters whose module writes their weight gradient into `main_grad` itself instead of returning
         # it (TransformerEngine's fused accumulation): their main_grad is their slice of the accumulator.
-        self.main_grad_params = [i for i, p in enumerate(params) if getattr(p, "wgrad_into_main_grad", False)]
+        self.main_grad_params = _main_grad_params(name, params, self.spec, cfg)
         self._main_grad_views: list[torch.Tensor] = []  # bound since the accumulator was last handed over
-        if self.main_grad_params and cfg.grad_reduce != "last_microbatch":
-            raise ValueError(
-                f"FSDP unit {name}: {name}.{self.spec.names[self.main_grad_params[0]]} accumulates its weight "
-                f"gradient into main_grad, which needs grad_reduce=last_microbatch (with grad_reduce=per_microbatch a "
-                f"later microbatch's forward could bind the accumulator an earlier one is reducing)")
         self.flat_param = nn.Parameter(self._initial_shard(init) if init is not None
                                        else shard_of(flatten(params, self.spec), self.spec, self.rank))
         for sub, attr in owners:
@@ -214,14 +203,17 @@ class FSDPUnit:
             self.state = UnitState.SHARDED
 
     # --- memory accounting -------------------------------------------------------------------
+    def _parameter_tensors(self) -> list[torch.Tensor]:
+        """What holds this unit's parameters: the shard, the unsharded buffer, the fp8 gather."""
+        return [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
+
     def parameter_storages(self) -> list[int]:
         """The storages that hold this unit's parameters (shard, unsharded buffer, fp8 gather)."""
-        held = [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
-        return [t.untyped_storage().data_ptr() for t in held]
+        return [t.untyped_storage().data_ptr() for t in self._parameter_tensors()]
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the unit holds right now: parameters (shard + whatever is unsharded) and gradients."""
-        held = [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
+        held = self._parameter_tensors()
         grads = [t for t in (self.grad_accumulator, self.shard_grad_sum, self.flat_param.grad) if t is not None]
         return {"parameters": sum(t.untyped_storage().nbytes() for t in held),
                 "gradients": sum(t.untyped_storage().nbytes() for t in grads)}
@@ -278,6 +270,29 @@ class FSDPUnit:
         for view in self._main_grad_views:
             del view.main_grad
         self._main_grad_views = []
+
+
+def _trainable_owners(name: str, module: nn.Module, spec: FlatParamSpec) -> list[tuple[nn.Module, str]]:
+    """(owning submodule, attribute) of each parameter the unit flattens; every one must train."""
+    if not spec.names:
+        raise ValueError(f"FSDP unit {name} has no parameters (nothing to shard): leave it out of the units")
+    owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in spec.names]
+    frozen = [n for n, (sub, attr) in zip(spec.names, owners) if not getattr(sub, attr).requires_grad]
+    if frozen:
+        raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
+                         f"parameter trains every element it holds (the frozen one would be trained)")
+    return owners
+
+
+def _main_grad_params(name: str, params: list[nn.Parameter], spec: FlatParamSpec, cfg: FSDPConfig) -> list[int]:
+    """Indices of the parameters whose module writes the weight gradient into `main_grad` itself."""
+    indices = [i for i, p in enumerate(params) if getattr(p, "wgrad_into_main_grad", False)]
+    if indices and cfg.grad_reduce != "last_microbatch":
+        raise ValueError(
+            f"FSDP unit {name}: {name}.{spec.names[indices[0]]} accumulates its weight gradient into main_grad, "
+            f"which needs grad_reduce=last_microbatch (with grad_reduce=per_microbatch a later microbatch's "
+            f"forward could bind the accumulator an earlier one is reducing)")
+    return indices
 
 
 def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | None) -> None:

@@ -42,7 +42,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -115,7 +115,7 @@ def _check_outside_placement(cfg: FSDPConfig, reshard: bool) -> None:
     model = make_model()
     _wrap_blocks_outside(model)
     root = fully_shard(model, ["tok_embeddings", "layers.0.inner", "layers.1.inner", "head"], dist.group.WORLD, None, cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     inputs, targets = (t[rank * 8 : (rank + 1) * 8] for t in global_batch(0))
     comm.LEDGER.reset()
     for i, (x, y) in enumerate(zip(inputs.chunk(M), targets.chunk(M))):

@@ -3,7 +3,6 @@ batch script trains and the loss falls; a job told to stop with SIGUSR1 checkpoi
 resumes bitwise; a submitit job does the same on submitit's SIGUSR2; a hydra sweep with
 hydra/launcher=torchrun_slurm runs each point as its own job. Daemons are stopped by pid."""
 
-import json
 import subprocess
 import sys
 import time

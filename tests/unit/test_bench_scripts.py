@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "pp", "ranks", "step", "tp", "trainer_step")
+BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "fsdp_runners", "pp", "ranks", "step", "tp",
+           "trainer_step")
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -1,0 +1,81 @@
+"""The layout-independent sampler: global batches the same for every dp size, epochs reshuffled by seed,
+resume state checked, and the held-out split disjoint from training."""
+
+import json
+
+import numpy as np
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_global_batch_is_layout_independent(dp_size: int) -> None:
+    sampler = GlobalBatchSampler(num_sequences=103, global_batch_size=8, seed=7)
+    for step in range(30):
+        slices = [sampler.rank_indices(step, rank, dp_size) for rank in range(dp_size)]
+        assert np.concatenate(slices).tolist() == sampler.global_indices(step).tolist()
+
+
+def test_sampler_epochs_reshuffle_deterministically() -> None:
+    sampler = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=3)
+    assert sampler.steps_per_epoch == 6  # 2 tail sequences dropped per epoch
+    epoch0 = np.concatenate([sampler.global_indices(s) for s in range(6)])
+    epoch1 = np.concatenate([sampler.global_indices(s) for s in range(6, 12)])
+    assert len(set(epoch0.tolist())) == 48 and len(set(epoch1.tolist())) == 48  # no repeats in an epoch
+    assert epoch0.tolist() != epoch1.tolist()
+    assert sampler.global_indices(0).tolist() != sampler.global_indices(1).tolist()
+    fresh = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=3)
+    assert fresh.global_indices(7).tolist() == sampler.global_indices(7).tolist()
+    other_seed = GlobalBatchSampler(num_sequences=50, global_batch_size=8, seed=4)
+    assert other_seed.global_indices(0).tolist() != sampler.global_indices(0).tolist()
+
+
+def test_sampler_resumes_from_state_dict() -> None:
+    sampler = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1)
+    resumed = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1)
+    resumed.check_resumable(json.loads(json.dumps(sampler.state_dict())))
+    for step in range(5, 25):
+        assert resumed.global_indices(step).tolist() == sampler.global_indices(step).tolist()
+
+
+@pytest.mark.parametrize(
+    ("field", "match"),
+    [("seed", "seed"), ("num_sequences", "data.source, seq_len or data.held_out_fraction"), ("global_batch_size", "batch_size"),
+     ("shuffle_version", "shuffled the data another way")],
+)
+def test_sampler_refuses_changed_state(field: str, match: str) -> None:
+    state = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).state_dict()
+    state[field] += 2
+    with pytest.raises(ConfigError, match=match):
+        GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).check_resumable(state)
+
+
+def test_sampler_errors_name_batch_size() -> None:
+    with pytest.raises(ConfigError, match="batch_size"):
+        GlobalBatchSampler(num_sequences=4, global_batch_size=8, seed=0)
+    with pytest.raises(ConfigError, match="batch_size"):
+        GlobalBatchSampler(num_sequences=40, global_batch_size=6, seed=0).rank_indices(0, 0, 4)
+
+
+@pytest.mark.parametrize("num_windows, fraction", [(1000, 0.01), (57, 0.1), (40, 0.0)])
+def test_held_out_split_is_disjoint_from_training_and_layout_independent(num_windows, fraction):
+    seq_len = 16
+    train, held_out = split_windows(num_windows, fraction)
+    assert len(held_out) == int(num_windows * fraction)
+    # Window i reads tokens [i*L, i*L + L]: no held-out token is a training input or target.
+    train_tokens = set(range(0, train * seq_len + 1))
+    held_out_tokens = {t for w in held_out for t in range(w * seq_len, w * seq_len + seq_len + 1)}
+    assert not train_tokens & held_out_tokens
+    sampler = GlobalBatchSampler(train, global_batch_size=4, seed=0)
+    assert max(max(sampler.global_indices(s)) for s in range(3 * sampler.steps_per_epoch)) < train
+    if not held_out:
+        return
+    evals = HeldOutSampler(held_out, global_batch_size=2)
+    for batch in range(evals.num_batches):
+        whole = evals.rank_indices(batch, 0, 1)
+        assert np.array_equal(np.concatenate([evals.rank_indices(batch, r, 2) for r in range(2)]), whole)
+        assert all(w in held_out for w in whole)
+    with pytest.raises(IndexError, match="outside"):
+        evals.rank_indices(evals.num_batches, 0, 1)
