@@ -75,7 +75,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     if impl == "sdpa":
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        # CUDA runs grouped K/V only in the flash and math kernels, and flash takes no mask: expanding the
+        # heads lets the memory-efficient kernel take the mask instead of math's seq x seq fp32 scores.
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # "math": the plain formula, a reference that any fused kernel must match.
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)

@@ -57,7 +57,7 @@ def timed_step(trainer, step: int) -> tuple[float, float]:
     start = time.perf_counter()
     loss = trainer.train_step(step).loss
     slowest = torch.tensor([time.perf_counter() - start])
-    comm.all_reduce(slowest, None, op=torch.distributed.ReduceOp.MAX)
+    comm.all_reduce(slowest, comm.world(), op=torch.distributed.ReduceOp.MAX)
     return slowest.item(), loss
 
 

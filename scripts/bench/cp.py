@@ -111,7 +111,7 @@ def run(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
                 cp = cores[name][1]
                 core_step(*((cp or CPContext()).shard(t, dim=2) for t in (q, k, v)), cp)
             elapsed = torch.tensor([time.perf_counter() - start])
-            comm.all_reduce(elapsed, None, op=dist.ReduceOp.MAX)
+            comm.all_reduce(elapsed, comm.world(), op=dist.ReduceOp.MAX)
             if round_ > 0:  # the first round warms up
                 times[name].append(elapsed.item())
     return {"time": {n: statistics.median(t) for n, t in times.items()}, "saved": saved, "kv": kv_held}
