@@ -1,5 +1,5 @@
 """model.attn_bias_type=block_causal end to end, on a corpus of short documents (several per 64-token
-sequence): tp2+SP x pp2 with selective recompute, cp2 (all_gather) x dp2 with full recompute, and cp2
+sequence): tp2+SP x pp2 (interleaved, 2 chunks per rank) with selective recompute, cp2 (all_gather) x dp2 with full recompute, and cp2
 (ring) x tp2+SP give the one-process losses, gradient norms and eval losses; and the mask changes the
 numbers (it is not a no-op)."""
 
@@ -9,7 +9,7 @@ import random
 
 from tests.e2e.launch import train_ok
 
-RUN = ("model=tiny", "seq_len=64", "steps=3", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true",
+RUN = ("model=tiny", "model.n_layers=4", "seq_len=64", "steps=3", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true",
        "eval.freq=3", "eval.steps=1", "data.held_out_fraction=0.05")
 
 
@@ -29,9 +29,9 @@ def test_block_causal_matches_one_process_on_every_layout_and_differs_from_causa
     block = (*RUN, *data, "model.attn_bias_type=block_causal")
     one = train_ok(0, tmp_path / "one", *block, "batch_size=4")
     layouts = {
-        "tp2sp_pp2": train_ok(4, tmp_path / "tp2pp2", *block, "batch_size=4", "microbatch_size=2",
+        "tp2sp_pp2_interleaved": train_ok(4, tmp_path / "tp2pp2", *block, "batch_size=4", "microbatch_size=2",
                               "model_parallel_size=2", "model.sequence_parallel=true", "pipeline_parallel_size=2",
-                              "model.layer_ckpt=selective"),
+                              "num_layers_per_virtual_pipeline_stage=1", "model.layer_ckpt=selective"),
         "cp2_all_gather_dp2": train_ok(4, tmp_path / "cp2dp2", *block, "batch_size=2", "context_parallel_size=2",
                                        "model.layer_ckpt=full"),
         "cp2_ring_tp2sp": train_ok(4, tmp_path / "cp2tp2", *block, "batch_size=4", "context_parallel_size=2",
