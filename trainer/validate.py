@@ -185,6 +185,9 @@ _NEEDS = (
     ("eval.steps", "eval.freq > 0", lambda c: c.eval.freq > 0),
     ("checkpoint.async_save", "checkpoint.freq > 0 (a save on a stop signal is synchronous)",
      lambda c: c.checkpoint.freq > 0),
+    ("checkpoint.keep", "checkpoint.freq > 0 or a stop_signal (nothing else saves)",
+     lambda c: c.checkpoint.freq > 0 or c.stop_signal is not None),
+    ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps),
 )
 
 

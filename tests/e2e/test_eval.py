@@ -5,7 +5,8 @@ import math
 
 from tests.e2e.launch import losses, train_ok
 
-TINY = ("model=tiny", "seq_len=64", "log_freq=100", "steps=4", "optim.warmup_steps=1")
+BASE = ("model=tiny", "seq_len=64", "steps=4", "optim.warmup_steps=1")
+TINY = (*BASE, "log_freq=100")
 EVAL = ("eval.freq=2", "eval.steps=2")
 
 
@@ -25,5 +26,5 @@ def test_eval_loss_is_layout_independent_and_leaves_training_alone(tmp_path):
     for name, records in layouts.items():
         for step, value in _eval_losses(records).items():
             assert math.isclose(value, reference[step], rel_tol=1e-6), (name, step, value, reference[step])
-    without_eval = train_ok(0, tmp_path / "no_eval", *TINY, "batch_size=4", "log_all_steps=true")
+    without_eval = train_ok(0, tmp_path / "no_eval", *BASE, "batch_size=4", "log_all_steps=true")
     assert losses(without_eval)[4] == losses(one)[4]  # evaluation changed nothing in training

@@ -122,6 +122,8 @@ def test_llama3_8b_dimensions():
          "model.efficient_attn=math needs context_parallel_size=1 (CP computes its own attention)"),
         (["eval.steps=3"], 1, "eval.steps=3 needs eval.freq > 0; without it the key changes nothing"),
         (["checkpoint.async_save=true"], 1, "checkpoint.async_save=True needs checkpoint.freq > 0"),
+        (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
+        (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
