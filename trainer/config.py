@@ -57,6 +57,8 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 10
+    decay_style: str = "cosine"
+    decay_start: int | None = None
     decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0
@@ -155,6 +157,7 @@ ENUMS = {
     "model.efficient_attn": ("sdpa", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
     "nan_policy": ("halt", "skip"),
+    "optim.decay_style": ("cosine", "linear"),
     "grad_reduce": ("last_microbatch", "per_microbatch"),
     "model.fp8_format": ("hybrid", "e4m3"),
     "model.fp8_amax_compute_algo": ("max", "most_recent"),

@@ -21,8 +21,8 @@ ARCHITECTURE = tuple(
                            "multiple_of", "norm_eps", "rope_theta", "attn_bias_type")
 )
 SCHEDULE = tuple(
-    f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio",
-                           "clip_grad_norm")
+    f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay_style",
+                           "decay_start", "min_lr_ratio", "clip_grad_norm")
 )
 FP8 = tuple(f"model.{k}" for k in ("fp8_format", "fp8_margin", "fp8_amax_compute_algo", "fp8_all_gather"))
 PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad", *FP8)
@@ -34,7 +34,8 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
                   "seed", "data.held_out_fraction", "eval.steps")
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
 # defaults; no held-out split).
-_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (*FP8, *KERNELS, "model.fp8_amax_history_len")} | {
+_ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (
+    *FP8, *KERNELS, "model.fp8_amax_history_len", "optim.decay_style", "optim.decay_start")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")

@@ -67,14 +67,17 @@ class NamedAdamW:
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """LR of 1-based `step`: linear warmup to cfg.lr, then cosine to cfg.lr * min_lr_ratio at step
+    """LR of 1-based `step`: linear warmup to cfg.lr, held there until cfg.decay_start (default: the end
+    of warmup), then a cosine or linear decay (cfg.decay_style) to cfg.lr * min_lr_ratio at step
     cfg.decay_steps (default: the run's last step)."""
     if step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
+    start = cfg.decay_start if cfg.decay_start is not None else cfg.warmup_steps
     end = cfg.decay_steps if cfg.decay_steps is not None else total_steps
-    decay_steps = max(end - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    progress = min(max(step - start, 0) / max(end - start, 1), 1.0)
     min_lr = cfg.lr * cfg.min_lr_ratio
+    if cfg.decay_style == "linear":
+        return min_lr + (cfg.lr - min_lr) * (1.0 - progress)
     return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -31,7 +31,7 @@ _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "optim.eps", "model.fp8_margin", "eval.freq",
 )
-_OPTIONAL_POSITIVE = ("optim.decay_steps", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
+_OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
                       "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
@@ -109,6 +109,20 @@ def _check_ranges(cfg: TrainConfig) -> None:
     if decay is not None and decay < warmup and cfg.steps > decay:  # a run that ends earlier never sees it
         raise ConfigError(f"optim.decay_steps={decay} must be >= optim.warmup_steps={warmup} when steps={cfg.steps} "
                           "runs past it: the LR would warm up past the end of its decay, then drop to the minimum")
+    _check_decay_start(cfg)
+
+
+def _check_decay_start(cfg: TrainConfig) -> None:
+    start, warmup = cfg.optim.decay_start, cfg.optim.warmup_steps
+    end = cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps
+    if start is None:
+        return
+    if start < warmup:
+        raise ConfigError(f"optim.decay_start={start} must be >= optim.warmup_steps={warmup} (the decay starts from "
+                          "the peak LR)")
+    if start > end:
+        raise ConfigError(f"optim.decay_start={start} must be <= where the decay ends, {end} (optim.decay_steps, or "
+                          "steps when unset; set optim.decay_steps for a schedule longer than this run)")
 
 
 def _check_enums(cfg: TrainConfig) -> None:
@@ -188,6 +202,8 @@ _NEEDS = (
     ("checkpoint.keep", "checkpoint.freq > 0 or a stop_signal (nothing else saves)",
      lambda c: c.checkpoint.freq > 0 or c.stop_signal is not None),
     ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps),
+    *((key, "optim.min_lr_ratio < 1 (with 1 the LR stays at optim.lr after warmup)",
+       lambda c: c.optim.min_lr_ratio < 1) for key in ("optim.decay_style", "optim.decay_start")),
 )
 
 

@@ -45,6 +45,18 @@ def test_an_older_fingerprint_without_the_kernel_keys_means_the_defaults(tmp_pat
     check_resumable(saved, _fingerprint(), allowed=[])
 
 
+def test_the_decay_shape_is_part_of_the_schedule_and_older_checkpoints_ran_the_cosine(tmp_path):
+    def with_optim(**optim) -> dict:
+        return run_fingerprint(from_dict({"model": {"name": "tiny"}, "optim": optim}), "float32", 8, "a" * 64, DATA)
+
+    older = _saved(tmp_path, with_optim(), drop=("optim.decay_style", "optim.decay_start"))
+    check_resumable(older, with_optim(), allowed=[])
+    with pytest.raises(ConfigError, match="optim.decay_style 'cosine' -> 'linear'"):
+        check_resumable(older, with_optim(decay_style="linear"), allowed=[])
+    check_resumable(older, with_optim(decay_start=50, decay_steps=100), allowed=["optim.decay_start",
+                                                                                  "optim.decay_steps"])
+
+
 def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):
     saved = _saved(tmp_path, _fingerprint(use_fp8=True))
     with pytest.raises(ConfigError) as err:

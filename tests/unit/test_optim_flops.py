@@ -27,6 +27,17 @@ def test_lr_warmup_then_cosine_to_min():
     assert lr_at(10, 10, OptimConfig(lr=1.0, warmup_steps=4, decay_steps=20)) == lr_at(10, 20, cfg)
 
 
+def test_warmup_stable_decay_and_the_linear_shape():
+    wsd = OptimConfig(lr=1.0, warmup_steps=4, decay_start=10, decay_steps=20, min_lr_ratio=0.2, decay_style="linear")
+    assert [lr_at(s, 30, wsd) for s in (2, 4, 7, 10)] == [0.5, 1.0, 1.0, 1.0]  # warmup, then stable
+    assert [lr_at(s, 30, wsd) for s in (15, 20, 25)] == pytest.approx([0.6, 0.2, 0.2])  # linear to the minimum
+    cosine = OptimConfig(lr=1.0, warmup_steps=4, decay_start=10, decay_steps=20, min_lr_ratio=0.2)
+    assert lr_at(15, 30, cosine) == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    # decay_start at the end of warmup is the default schedule, bit for bit.
+    default, explicit = OptimConfig(lr=1e-3, warmup_steps=4), OptimConfig(lr=1e-3, warmup_steps=4, decay_start=4)
+    assert [lr_at(s, 37, default) for s in range(1, 38)] == [lr_at(s, 37, explicit) for s in range(1, 38)]
+
+
 def test_clip_matches_torch():
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=gen) * 10, torch.randn(7, generator=gen)]
