@@ -10,9 +10,10 @@ steps and fields, 1 otherwise, 2 when there is no verdict to trust (unreadable m
 given twice, no step in common, no value to compare, every value non-finite in both runs). A non-finite
 value (logged as null) agrees only with a non-finite value at the same step (the verdict counts them); a field one run logged and the other did not is a difference. A partial last
 line (a run still writing, or killed mid-line) is left out with a note. Notes on stderr name what the
-verdict cannot see: a run that logged fewer steps than its config's `steps`, and the config keys in
-which the runs differ (from train_config.json). --plot draws both loss curves and their difference;
---brief prints only the verdict line with each run's median TFLOP/s (for scripts such as
+verdict cannot see: a run that logged fewer steps than its config's `steps`, the config keys in which
+the runs differ (from train_config.json) and, where both runs logged per-unit norms
+(metrics.unit_norms=true), the first step and units whose norms differ. --plot draws both loss curves
+and their difference; --brief prints only the verdict line with each run's median TFLOP/s (for scripts such as
 numerics_matrix.sh).
 """
 
@@ -174,6 +175,26 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
     return rows, verdict, agree
 
 
+UNIT_FIELDS = ("unit_param_norms", "unit_grad_norms")  # metrics.unit_norms=true
+
+
+def unit_divergence(a: dict[int, dict], b: dict[int, dict], rtol: float) -> str | None:
+    """Where per-unit norms first differ beyond rtol (both runs with metrics.unit_norms=true): the step,
+    which norm, and the first units in model order. Parameter norms come first: at a step they are the
+    weights the gradients were computed at."""
+    for step in sorted(a.keys() & b.keys()):
+        for field in UNIT_FIELDS:
+            x, y = a[step].get(field), b[step].get(field)
+            if not isinstance(x, dict) or not isinstance(y, dict):
+                continue
+            differ = [unit for unit in x if rel_diff(x[unit], y.get(unit, ABSENT)) > rtol]
+            differ += [unit for unit in y if unit not in x]
+            if differ:
+                shown = ", ".join(differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
+                return f"per-unit norms first differ at step {step}, {field}: {shown}"
+    return None
+
+
 def median_tflops(records: dict[int, dict]) -> float:
     values = [r["tflops"] for r in records.values() if is_finite_number(r.get("tflops"))]
     return statistics.median(values) if values else float("nan")
@@ -249,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note}", file=sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b):
+    divergence = unit_divergence(a, b, opts.rtol)
+    for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b) + ([divergence] if divergence else []):
         print(f"note: {note}", file=sys.stderr)
     if opts.brief:
         print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")

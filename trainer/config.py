@@ -76,7 +76,8 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = False  # also write the per-step scalars as TensorBoard events in {dump_dir}/tb/
+    tensorboard: bool = False  # also write the logged steps' scalars as TensorBoard events in {dump_dir}/tb/
+    unit_norms: bool = False  # per FSDP unit gradient and parameter norms in metrics.jsonl (one more all-reduce)
 
 
 @dataclass

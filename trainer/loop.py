@@ -19,7 +19,7 @@ from torch import nn
 
 from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, note_set_scales, update_scaling
 from parallel import comm
-from parallel.fsdp import FSDPRoot, grad_norm
+from parallel.fsdp import FSDPRoot, grad_norm, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
@@ -28,6 +28,7 @@ from trainer.data import BatchLoader
 from trainer.metrics import StepMetrics, peak_memory_gib, start_memory_peak
 from trainer.nonfinite import first_nonfinite_unit, halt_message
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
+from trainer.parallelize import model_unit_names
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
@@ -88,6 +89,8 @@ class Trainer:
         for root in self.roots:
             root.finish_gradient_sync()
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
+        per_unit = unit_norms(self.roots, model_unit_names(self.cfg.model.n_layers),
+                              self.mesh.group("pp_dp_shard_cp_tp")) if self.cfg.metrics.unit_norms else None
         loss_group = self.mesh.group("pp_dp_cp")
         if loss_group.size() > 1:  # the last stage's sums over its data; other stages add zero
             comm.all_reduce(loss_sum, loss_group)
@@ -107,7 +110,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        return self._metrics(step, loss, norm, lr, elapsed)
+        return self._metrics(step, loss, norm, lr, elapsed, per_unit)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -186,7 +189,8 @@ class Trainer:
         ids = [loader.document_ids(tokens).to(self.device) for tokens, _ in microbatches]
         return lambda mb: {"document_ids": ids[mb]}
 
-    def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float) -> StepMetrics:
+    def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float,
+                 per_unit: dict[str, dict[str, float]] | None = None) -> StepMetrics:
         tokens_per_s = self.global_tokens / elapsed
         flops_per_device = self.flops_per_token * tokens_per_s / self.mesh.dims.world_size
         wait_s = min(comm.LEDGER.wait_s, elapsed)
@@ -210,4 +214,6 @@ class Trainer:
             # Steps that made no update (nan_policy=skip), counted from the optimizer's own step count,
             # which checkpoints carry: so the count survives a resume.
             skipped_steps=step - self.optimizer.updates(),
+            unit_grad_norms=None if per_unit is None else per_unit["grad"],
+            unit_param_norms=None if per_unit is None else per_unit["param"],
         )

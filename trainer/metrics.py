@@ -56,13 +56,27 @@ class StepMetrics:
     mem_peak_gib: float
     comm: dict[str, dict[str, int]]
     eval_loss: float | None = None  # held-out loss after this step, on evaluation steps only
+    # metrics.unit_norms: {unit: L2 norm} of each FSDP unit's gradient (before clipping) and of its
+    # parameters (before the update), whole model, every pipeline stage's units
+    unit_grad_norms: dict[str, float] | None = None
+    unit_param_norms: dict[str, float] | None = None
     skipped_steps: int = 0  # optimizer steps skipped so far for a NaN/Inf loss or gradient (nan_policy=skip)
     wall_time: float = field(default_factory=time.time)  # when the step ended (seconds since the epoch)
 
     def record(self) -> dict:
-        """The JSON record: a NaN or Inf number becomes null (JSON has none)."""
-        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                for k, v in self.__dict__.items() if k != "eval_loss" or v is not None}
+        """The JSON record: a NaN or Inf number becomes null (JSON has none); optional fields only when set."""
+        return {k: _json_value(v) for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
+
+
+_OPTIONAL = ("eval_loss", "unit_grad_norms", "unit_param_norms")
+
+
+def _json_value(v: object) -> object:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_value(x) for k, x in v.items()}
+    return v
 
 
 def _is_record(line: str) -> bool:

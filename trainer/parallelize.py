@@ -22,6 +22,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def model_unit_names(n_layers: int) -> list[str]:
+    """Every FSDP unit of the whole model (all pipeline stages' chunks), in forward order."""
+    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "head"]
+
+
 def fsdp_unit_names(model: Transformer) -> list[str]:
     embedding = ["tok_embeddings"] if model.tok_embeddings is not None else []
     head = ["head"] if model.head is not None else []

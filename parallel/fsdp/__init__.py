@@ -1,6 +1,7 @@
 """In-tree FSDP: flat parameters per unit, a microbatch protocol, ZeRO-2/3 and HSDP."""
 
-from parallel.fsdp.root import FSDPRoot, fully_shard, grad_norm
+from parallel.fsdp.norms import grad_norm, unit_norms
+from parallel.fsdp.root import FSDPRoot, fully_shard
 from parallel.fsdp.unit import FSDPConfig, FSDPUnit, TPGroups, UnitState
 
-__all__ = ["FSDPConfig", "FSDPRoot", "FSDPUnit", "TPGroups", "UnitState", "fully_shard", "grad_norm"]
+__all__ = ["FSDPConfig", "FSDPRoot", "FSDPUnit", "TPGroups", "UnitState", "fully_shard", "grad_norm", "unit_norms"]

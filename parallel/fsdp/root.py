@@ -1,15 +1,13 @@
 """Shard a model into FSDP units and drive them per microbatch and per step.
 
-The caller (the step loop, or the pipeline runtime for each stage) names the units in forward order, tells the
-root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
+The caller (the step loop, or the pipeline runtime for each stage) names the units in forward order,
+tells the root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
 `finish_gradient_sync` once after the last microbatch's backward.
 """
 
-import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from parallel import comm
 from parallel.fsdp.reductions import ReductionQueue
 from parallel.fsdp.hooks import register_hooks
 from parallel.fsdp.unit import FSDPConfig, FSDPUnit, Initializer, TPGroups, UnitState
@@ -59,27 +57,6 @@ class FSDPRoot:
         """Free every unit's unsharded parameters (e.g. after forward-only passes)."""
         for unit in self.units:
             unit.reshard()
-
-    def grad_square_sum(self) -> torch.Tensor:
-        """Sum of squares of this rank's gradient elements (TP-replicated ones counted on TP rank 0 only)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.units[0].flat_param.device)
-        for unit in self.units:
-            if unit.flat_param.grad is not None:
-                squares = unit.flat_param.grad.pow(2)
-                mask = unit.norm_mask
-                total += (squares if mask is None else squares * mask).sum()
-        return total
-
-
-def grad_norm(roots: list[FSDPRoot], groups: list[ProcessGroup]) -> float:
-    """Global L2 norm of the gradients of several roots (e.g. one per pipeline chunk). Shards are
-    disjoint over the shard group, TP slices over TP, chunks over pipeline stages: the square sums
-    add up over `groups`, which together must span exactly those ranks (one group in the trainer)."""
-    total = sum(root.grad_square_sum() for root in roots)
-    for group in groups:
-        if group.size() > 1:
-            comm.all_reduce(total, group)
-    return total.sqrt().item()
 
 
 def fully_shard(

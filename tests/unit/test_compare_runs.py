@@ -180,3 +180,21 @@ def test_fields_and_tolerance_are_checked(tmp_path, capsys):
             assert e.code == 2, bad
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_per_unit_norms_name_the_first_step_and_units_that_differ(tmp_path, capsys):
+    def with_units(folder: Path, head_grad_at_2: float) -> Path:
+        _dump(folder, [6.9, 6.1, 5.4])
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        for r in records:
+            r["unit_param_norms"] = {"tok_embeddings": 3.0, "layers.0": 2.0, "head": 1.0}
+            r["unit_grad_norms"] = {"tok_embeddings": 0.1, "layers.0": 0.2,
+                                    "head": head_grad_at_2 if r["step"] >= 2 else 0.3}
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return folder
+
+    a, b = with_units(tmp_path / "a", 0.3), with_units(tmp_path / "b", 0.30000001)
+    assert compare_runs.main([str(a), str(b)]) == 0  # the verdict is over loss, grad norm and eval loss
+    assert "note: per-unit norms first differ at step 2, unit_grad_norms: head" in capsys.readouterr().err
+    assert compare_runs.main([str(a), str(b), "--rtol", "1e-6"]) == 0
+    assert "per-unit norms" not in capsys.readouterr().err
