@@ -28,7 +28,7 @@ from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.config import TrainConfig, from_dict  # noqa: E402
 from trainer.state import load_full_weights  # noqa: E402
-from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
+from trainer.tokenizer import Tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -63,21 +63,28 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
         weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
-    (out / "config.json").write_text(json.dumps(hf_config(args, _HF_DTYPE_NAMES[dtype], BOS_ID, EOS_ID), indent=2) + "\n")
+    tokenizer = Tokenizer(ckpt / "tokenizer.model")
+    config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
     shutil.copymode(out / "config.json", out / "model.safetensors")
-    shutil.copyfile(ckpt / "tokenizer.model", out / "tokenizer.model")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    write_tokenizer(tokenizer, out)
 
 
-def tokenizer_config() -> dict:
-    """How transformers must read tokenizer.model to give training's ids: BOS first (packing puts one
-    before every document), no EOS appended, no space prefixed (the BPE was trained without one)."""
-    return {
+def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    """tokenizer.model, and how transformers must read it to give training's ids: the run tokenizer's own
+    bos first (packing puts one before every document), no eos appended, a space prefixed only where the
+    model itself adds one (the BPE trained here does not). Special tokens are named by the model's own
+    pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours."""
+    shutil.copyfile(tokenizer.model_path, out / "tokenizer.model")
+    config = {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False, "add_prefix_space": False,
+        "bos_token": tokenizer.piece(tokenizer.bos_id), "eos_token": tokenizer.piece(tokenizer.eos_id),
+        "unk_token": tokenizer.piece(tokenizer.unk_id), "legacy": False,
+        "add_prefix_space": tokenizer.adds_prefix_space,
     }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

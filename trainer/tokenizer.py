@@ -51,6 +51,20 @@ class Tokenizer:
     def eos_id(self) -> int:
         return self._sp.eos_id()
 
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    def piece(self, token_id: int) -> str:
+        """The text of a token (e.g. "<s>" for a bos)."""
+        return self._sp.IdToPiece(token_id)
+
+    @property
+    def adds_prefix_space(self) -> bool:
+        """Whether the model encodes text as if it began with a space (sentencepiece's add_dummy_prefix,
+        on by default and in Llama 2's tokenizer; the BPE trained here has it off)."""
+        return self._sp.EncodeAsPieces("x")[0].startswith("\u2581")
+
     def encode(self, text: str) -> list[int]:
         return self._sp.Encode(text)
 

@@ -15,8 +15,8 @@ from parallel.fsdp.root import FSDPRoot
 from parallel.fsdp.unit import FSDPUnit
 
 
-def _square_sum(unit: FSDPUnit, values: torch.Tensor) -> torch.Tensor:
-    squares = values.float().pow(2)
+def _square_sum(unit: FSDPUnit, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    squares = values.to(dtype).pow(2)
     return (squares if unit.norm_mask is None else squares * unit.norm_mask).sum()
 
 
@@ -43,15 +43,17 @@ def grad_norm(roots: list[FSDPRoot], groups: list[ProcessGroup]) -> float:
 def unit_norms(roots: list[FSDPRoot], names: list[str], group: ProcessGroup) -> dict[str, dict[str, float]]:
     """{"grad": {unit: norm}, "param": {unit: norm}} for every unit of the model (`names`, all pipeline
     stages'), in one all-reduce over `group`, which must span exactly the ranks holding distinct pieces.
-    A unit without a gradient this step counts as 0."""
+    A unit without a gradient this step counts as 0. Summed in fp64 and given as fp32 values, so that
+    layouts (other partial sums) give the same numbers, which compare_runs can then tell apart from a
+    change."""
     index = {name: i for i, name in enumerate(names)}
     device = roots[0].units[0].flat_param.device
-    sums = torch.zeros(2, len(names), dtype=torch.float32, device=device)
+    sums = torch.zeros(2, len(names), dtype=torch.float64, device=device)
     for unit in (u for root in roots for u in root.units):
         if unit.flat_param.grad is not None:
-            sums[0, index[unit.name]] = _square_sum(unit, unit.flat_param.grad)
-        sums[1, index[unit.name]] = _square_sum(unit, unit.flat_param.detach())
+            sums[0, index[unit.name]] = _square_sum(unit, unit.flat_param.grad, torch.float64)
+        sums[1, index[unit.name]] = _square_sum(unit, unit.flat_param.detach(), torch.float64)
     if group.size() > 1:
         comm.all_reduce(sums, group, label="unit norms")
-    norms = sums.sqrt().tolist()
+    norms = sums.sqrt().float().tolist()
     return {kind: dict(zip(names, row)) for kind, row in zip(("grad", "param"), norms)}

@@ -41,6 +41,9 @@ def test_unit_norms_match_the_initial_weights_the_grad_norm_and_every_layout(tmp
         "hsdp2x2": train_ok(4, tmp_path / "hsdp", *RUN, "batch_size=1", "dp_replicate=2"),
     }
     for layout, records in layouts.items():
+        # The same initial weights give the same logged norms whatever the partial sums (fp64, logged as
+        # fp32): compare_runs can tell a layout from a change.
+        assert records[0]["unit_param_norms"] == one[0]["unit_param_norms"], layout
         for record, want in zip(records, one, strict=True):
             for field in ("unit_grad_norms", "unit_param_norms"):
                 for name in names:

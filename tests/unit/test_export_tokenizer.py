@@ -1,0 +1,36 @@
+"""The exported tokenizer of a sentencepiece model given in data.tokenizer that numbers and names its
+special tokens otherwise than ours (bos 3 named <bos>, pad 1) and adds sentencepiece's dummy prefix
+space: transformers reads it to the training's ids, and config.json carries those ids."""
+
+import json
+
+import pytest
+import sentencepiece as spm
+
+from model.hf import hf_config
+from model.args import ModelArgs
+from scripts.export_hf import write_tokenizer
+from trainer.tokenizer import Tokenizer
+
+TEXT = "the pipeline shards the gradient\n" * 40 + "tokens per rank and per step\n" * 40
+
+
+def test_custom_special_tokens_reach_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    spm.SentencePieceTrainer.Train(
+        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "custom"), vocab_size=60, model_type="bpe",
+        unk_id=0, pad_id=1, eos_id=2, bos_id=3, bos_piece="<bos>", minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False)  # as Llama 2's tokenizer
+    tokenizer = Tokenizer(tmp_path / "custom.model")
+    assert (tokenizer.bos_id, tokenizer.piece(tokenizer.bos_id)) == (3, "<bos>")
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_tokenizer(tokenizer, out)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.adds_prefix_space  # sentencepiece's default, as in Llama 2's tokenizer
+    for text in ("the gradient per rank", "pipeline", "tokens  per step"):
+        assert hf(text).input_ids == [3, *tokenizer.encode(text)], text
+    config = hf_config(ModelArgs(), "float32", tokenizer.bos_id, tokenizer.eos_id)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (3, 2)
+    assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<bos>"
