@@ -76,7 +76,9 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """tokenizer.model, and how transformers must read it to give training's ids: the run tokenizer's own
     bos first (packing puts one before every document), no eos appended, a space prefixed only where the
     model itself adds one (the BPE trained here does not). Special tokens are named by the model's own
-    pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours."""
+    pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours.
+    One difference transformers keeps for a model that adds a prefix space: text that itself begins
+    with whitespace tokenizes differently there (documents rarely do; ours adds none)."""
     shutil.copyfile(tokenizer.model_path, out / "tokenizer.model")
     config = {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     try:
         export(opts.checkpoint, opts.out, DTYPES[opts.dtype])
-    except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR or a missing tokenizer.model
+    except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"exported {opts.checkpoint} to {opts.out}", file=sys.stderr)

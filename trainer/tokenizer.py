@@ -63,7 +63,7 @@ class Tokenizer:
     def adds_prefix_space(self) -> bool:
         """Whether the model encodes text as if it began with a space (sentencepiece's add_dummy_prefix,
         on by default and in Llama 2's tokenizer; the BPE trained here has it off)."""
-        return self._sp.EncodeAsPieces("x")[0].startswith("\u2581")
+        return self._sp.Normalize("x").startswith("\u2581")  # the normalizer itself, whatever the vocabulary
 
     def encode(self, text: str) -> list[int]:
         return self._sp.Encode(text)

@@ -120,8 +120,8 @@ def _check_decay_start(cfg: TrainConfig) -> None:
     if start < warmup:
         raise ConfigError(f"optim.decay_start={start} must be >= optim.warmup_steps={warmup} (the decay starts from "
                           "the peak LR)")
-    if start > end:
-        raise ConfigError(f"optim.decay_start={start} must be <= where the decay ends, {end} (optim.decay_steps, or "
+    if start >= end:
+        raise ConfigError(f"optim.decay_start={start} must be < where the decay ends, {end} (optim.decay_steps, or "
                           "steps when unset; set optim.decay_steps for a schedule longer than this run)")
 
 

@@ -16,8 +16,11 @@ from parallel.fsdp.unit import FSDPUnit
 
 
 def _square_sum(unit: FSDPUnit, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    squares = values.to(dtype).pow(2)
-    return (squares if unit.norm_mask is None else squares * unit.norm_mask).sum()
+    if dtype == torch.float32:  # the global grad norm: the arithmetic its bitwise claims were made with
+        squares = values.float().pow(2)
+        return (squares if unit.norm_mask is None else squares * unit.norm_mask).sum()
+    kept = values if unit.norm_mask is None else values * unit.norm_mask  # the mask is 0 or 1: exact
+    return torch.linalg.vector_norm(kept, dtype=dtype).square()
 
 
 def _grad_square_sum(root: FSDPRoot) -> torch.Tensor:

@@ -123,7 +123,7 @@ def test_llama3_8b_dimensions():
         (["eval.steps=3"], 1, "eval.steps=3 needs eval.freq > 0; without it the key changes nothing"),
         (["checkpoint.async_save=true"], 1, "checkpoint.async_save=True needs checkpoint.freq > 0"),
         (["optim.decay_start=5"], 1, "optim.decay_start=5 must be >= optim.warmup_steps=10"),
-        (["optim.decay_start=150"], 1, "optim.decay_start=150 must be <= where the decay ends, 100"),
+        (["optim.decay_start=100"], 1, "optim.decay_start=100 must be < where the decay ends, 100"),
         (["optim.decay_style=linear", "optim.min_lr_ratio=1"], 1, "optim.decay_style=linear needs optim.min_lr_ratio < 1"),
         (["optim.decay_style=square"], 1, "optim.decay_style=square is not one of: cosine | linear"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
