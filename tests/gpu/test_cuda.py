@@ -39,3 +39,23 @@ def test_memory_snapshot_on_cuda(tmp_path):
     assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
     record = json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["mfu"] is None or record["mfu_compute"] >= record["mfu"] > 0  # None: a GPU we lack peaks for
+
+
+def test_block_causal_runs_in_the_memory_efficient_kernel_and_matches_the_math_path():
+    """The mask path must not fall back to SDPA's math kernel (fp32 seq x seq scores per layer): with
+    only the memory-efficient kernel allowed it runs, in bf16, and agrees with the math formula."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from model.attention import block_causal_mask, causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, generator=gen).cuda().bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 256, 64, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(2))
+    ids = torch.cumsum(torch.rand(2, 256, generator=gen) < 0.02, dim=1).cuda()
+    mask = block_causal_mask(ids)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = causal_attention(q, k, v, "sdpa", mask)
+        out.float().square().sum().backward()
+    reference = causal_attention(q.detach().float(), k.detach().float(), v.detach().float(), "math", mask)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
