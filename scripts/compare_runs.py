@@ -72,8 +72,24 @@ def config_notes(dump_a: Path, dump_b: Path, a: dict[int, dict], b: dict[int, di
         differ = [f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in sorted(configs[0].keys() | configs[1].keys())
                   if k != "dump_dir" and configs[0].get(k) != configs[1].get(k)]
         if differ:
-            notes.append("the configs differ in: " + ", ".join(differ))
+            notes.append("the configs differ in: " + ", ".join(differ) + _global_batch_note(dump_a, dump_b, configs))
     return notes
+
+
+def _global_batch_note(dump_a: Path, dump_b: Path, configs: list[dict]) -> str:
+    """batch_size is per data-parallel rank: two layouts of one global batch differ in it. Said where the
+    runs' fingerprints (global_batch_size) show it."""
+    if configs[0].get("batch_size") == configs[1].get("batch_size"):
+        return ""
+    sizes = []
+    for dump in (dump_a, dump_b):
+        try:
+            sizes.append(json.loads((dump / "fingerprint.json").read_text()).get("global_batch_size"))
+        except (OSError, ValueError, AttributeError):
+            return ""
+    if sizes[0] is None or sizes[0] != sizes[1]:
+        return ""
+    return f" (batch_size is per data-parallel rank: the global batch is {sizes[0]} sequences in both)"
 
 
 def _flat_config(dump_dir: Path) -> dict:

@@ -148,6 +148,13 @@ def test_partial_last_line_non_finite_values_unfinished_runs_and_config_differen
     assert any("last line is partial" in n for n in notes), notes
     assert any(f"{b}: logged up to step 3 of its steps=6" in n for n in notes), notes
     assert any("configs differ in: optimize_backward_concat (False vs True), steps (3 vs 6)" in n for n in notes), notes
+    for folder, per_rank in ((a, 4), (b, 2)):  # two layouts of one global batch of 4
+        config = json.loads((folder / "train_config.json").read_text()) | {"batch_size": per_rank}
+        (folder / "train_config.json").write_text(json.dumps(config))
+        (folder / "fingerprint.json").write_text(json.dumps({"global_batch_size": 4}))
+    compare_runs.main([str(a), str(b)])
+    err = capsys.readouterr().err
+    assert "batch_size (4 vs 2)" in err and "the global batch is 4 sequences in both" in err, err
     skipped = [{"step": 1, "loss": 6.9, "grad_norm": 1.0}, {"step": 2, "loss": None, "grad_norm": None}]
     x, y = _write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped)
     assert compare_runs.main([str(x), str(y)]) == 0
