@@ -1,7 +1,8 @@
 """The per-step scalars of metrics.jsonl as TensorBoard event files under {dump_dir}/tb/ (one writer rank).
 
 Scalars: loss, eval_loss, lr, grad_norm, tokens/s, step time, TFLOP/s and MFU (end to end and
-computing), exposed communication, peak memory, skipped steps, and communication bytes per op. A resumed job purges the events
+computing), exposed communication, peak memory, skipped steps, communication bytes per op, and (with
+metrics.unit_norms) each unit's gradient and parameter norm. A resumed job purges the events
 of the steps it redoes, as metrics.jsonl moves their records aside, so curves never double back.
 """
 
@@ -27,6 +28,9 @@ class TensorBoardLog:
                 self.writer.add_scalar(f"train/{name}" if name != "eval_loss" else "eval/loss", value, m.step)
         for op, entry in m.comm.items():
             self.writer.add_scalar(f"comm_bytes/{op}", entry["bytes"], m.step)
+        for kind, norms in (("grad", m.unit_grad_norms), ("param", m.unit_param_norms)):
+            for unit, value in (norms or {}).items():
+                self.writer.add_scalar(f"unit_{kind}_norm/{unit}", value, m.step)
         self.writer.flush()
 
     def close(self) -> None:

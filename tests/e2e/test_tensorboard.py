@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.e2e.launch import died_before_saving, metrics, train_ok
 
 TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "metrics.tensorboard=true",
-        "eval.freq=2", "eval.steps=1")
+        "eval.freq=2", "eval.steps=1", "metrics.unit_norms=true")
 
 
 def _scalars(dump_dir, tag: str) -> dict[int, float]:
@@ -32,3 +32,6 @@ def test_tensorboard_events_hold_the_logged_steps_once(tmp_path):
     assert math.isclose(eval_loss[4], records[4]["eval_loss"], rel_tol=1e-6)
     for tag in ("train/lr", "train/tokens_per_s", "train/tflops", "train/mem_peak_gib", "train/skipped_steps"):
         assert sorted(_scalars(dump, tag)) == [1, 2, 3, 4, 5, 6], tag
+    head_grad = _scalars(dump, "unit_grad_norm/head")
+    assert math.isclose(head_grad[5], records[5]["unit_grad_norms"]["head"], rel_tol=1e-6)
+    assert sorted(_scalars(dump, "unit_param_norm/layers.1")) == [1, 2, 3, 4, 5, 6]
