@@ -13,7 +13,6 @@ relative positions only, so a document sees the same attention wherever it sits.
 
 from dataclasses import dataclass
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,18 +71,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads. `mask`
     (block_causal_mask) replaces the plain causal mask."""
+    if impl == "sdpa" and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if impl == "sdpa":
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        # CUDA runs grouped K/V only in the flash and math kernels, and flash takes no mask: expanding the
-        # heads lets the memory-efficient kernel take the mask instead of math's seq x seq fp32 scores.
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # CUDA runs grouped K/V only in the flash and math kernels, and flash takes no mask: with the heads
+        # expanded the memory-efficient kernel takes the mask instead of math's seq x seq fp32 scores.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # "math": the plain formula, a reference that any fused kernel must match.
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()

@@ -64,6 +64,10 @@ class OptimConfig:
     clip_grad_norm: float = 1.0
     use_fp32_copy_optim: bool = True
 
+    def decay_end(self, total_steps: int) -> int:
+        """The step the LR decay ends at: decay_steps, or the run's last step when unset."""
+        return self.decay_steps if self.decay_steps is not None else total_steps
+
 
 @dataclass
 class CheckpointConfig:

@@ -90,7 +90,7 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
     """The part of the fingerprint known before the data is prepared."""
     return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | {
         "compute_dtype": compute_dtype,
-        "optim.decay_steps": cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps,
+        "optim.decay_steps": cfg.optim.decay_end(cfg.steps),
         "global_batch_size": global_batch,
     }
 

@@ -121,8 +121,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tp = self.chunks[-1].tp
         for batch in range(self.cfg.eval.steps):
-            full = self.eval_loader.batch(batch) if self._reads_batch else []
-            microbatches = self._cp_shards(full) if self._reads_batch else []
+            full, microbatches = self._read_batch(self.eval_loader, batch)
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
@@ -155,8 +154,7 @@ class Trainer:
     def _forward_backward(self, step: int) -> torch.Tensor:
         """Run the step's pipeline program; returns this rank's token-loss sum (zero off the last stage)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        full = self.loader.batch(step - 1) if self._reads_batch else []
-        microbatches = self._cp_shards(full) if self._reads_batch else []
+        full, microbatches = self._read_batch(self.loader, step - 1)
         tp = self.chunks[-1].tp
 
         def inputs(mb: int) -> torch.Tensor:
@@ -180,6 +178,14 @@ class Trainer:
         """Only the first stage reads the inputs and only the last the targets; block_causal attention
         needs the documents on every stage."""
         return self._block_causal or self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
+
+    def _read_batch(self, loader: BatchLoader, index: int) -> tuple[list, list]:
+        """Batch `index`'s whole microbatches and this CP rank's cut of them; both empty on a stage that
+        reads no batch."""
+        if not self._reads_batch:
+            return [], []
+        full = loader.batch(index)
+        return full, self._cp_shards(full)
 
     def _chunk_kwargs(self, loader: BatchLoader, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> ChunkKwargs:
         """What every stage's chunk gets besides its input: block_causal's document ids, of the whole

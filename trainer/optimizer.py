@@ -73,7 +73,7 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
     start = cfg.decay_start if cfg.decay_start is not None else cfg.warmup_steps
-    end = cfg.decay_steps if cfg.decay_steps is not None else total_steps
+    end = cfg.decay_end(total_steps)
     progress = min(max(step - start, 0) / max(end - start, 1), 1.0)
     min_lr = cfg.lr * cfg.min_lr_ratio
     if cfg.decay_style == "linear":

@@ -31,8 +31,8 @@ _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "optim.eps", "model.fp8_margin", "eval.freq",
 )
-_OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "num_layers_per_virtual_pipeline_stage",
-                      "mem_snapshot_stop_step")
+_OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier",
+                      "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
@@ -113,8 +113,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
 
 
 def _check_decay_start(cfg: TrainConfig) -> None:
-    start, warmup = cfg.optim.decay_start, cfg.optim.warmup_steps
-    end = cfg.optim.decay_steps if cfg.optim.decay_steps is not None else cfg.steps
+    start, warmup, end = cfg.optim.decay_start, cfg.optim.warmup_steps, cfg.optim.decay_end(cfg.steps)
     if start is None:
         return
     if start < warmup:

@@ -15,12 +15,15 @@ from parallel.fsdp.root import FSDPRoot
 from parallel.fsdp.unit import FSDPUnit
 
 
-def _square_sum(unit: FSDPUnit, values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if dtype == torch.float32:  # the global grad norm: the arithmetic its bitwise claims were made with
-        squares = values.float().pow(2)
-        return (squares if unit.norm_mask is None else squares * unit.norm_mask).sum()
+def _square_sum(unit: FSDPUnit, values: torch.Tensor) -> torch.Tensor:
+    """fp32, as the global gradient norm has always been summed (its bitwise claims rest on it)."""
+    squares = values.float().pow(2)
+    return (squares if unit.norm_mask is None else squares * unit.norm_mask).sum()
+
+
+def _square_sum_fp64(unit: FSDPUnit, values: torch.Tensor) -> torch.Tensor:
     kept = values if unit.norm_mask is None else values * unit.norm_mask  # the mask is 0 or 1: exact
-    return torch.linalg.vector_norm(kept, dtype=dtype).square()
+    return torch.linalg.vector_norm(kept, dtype=torch.float64).square()
 
 
 def _grad_square_sum(root: FSDPRoot) -> torch.Tensor:
@@ -54,8 +57,8 @@ def unit_norms(roots: list[FSDPRoot], names: list[str], group: ProcessGroup) -> 
     sums = torch.zeros(2, len(names), dtype=torch.float64, device=device)
     for unit in (u for root in roots for u in root.units):
         if unit.flat_param.grad is not None:
-            sums[0, index[unit.name]] = _square_sum(unit, unit.flat_param.grad, torch.float64)
-        sums[1, index[unit.name]] = _square_sum(unit, unit.flat_param.detach(), torch.float64)
+            sums[0, index[unit.name]] = _square_sum_fp64(unit, unit.flat_param.grad)
+        sums[1, index[unit.name]] = _square_sum_fp64(unit, unit.flat_param.detach())
     if group.size() > 1:
         comm.all_reduce(sums, group, label="unit norms")
     norms = sums.sqrt().float().tolist()
