@@ -102,6 +102,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be <= {FP32_MAX:.4g} (it is used in fp32)")
     if cfg.seed > SEED_MAX:
         raise ConfigError(f"seed={cfg.seed} must be <= {SEED_MAX} (2^32 - 1, what numpy's generator takes)")
+    if cfg.profile_freq > cfg.steps:
+        raise ConfigError(f"profile_freq={cfg.profile_freq} must be <= steps={cfg.steps} (it profiles every "
+                          f"{cfg.profile_freq}th step: none of this run's)")
     if cfg.mem_snapshot_stop_step is not None and cfg.mem_snapshot_stop_step > cfg.steps:
         raise ConfigError(f"mem_snapshot_stop_step={cfg.mem_snapshot_stop_step} must be <= steps={cfg.steps} "
                           "(the snapshot is written at that step)")

@@ -88,6 +88,7 @@ def test_llama3_8b_dimensions():
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
         (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
         (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),
+        (["profile_freq=11", "steps=10"], 1, "profile_freq=11 must be <= steps=10 (it profiles every 11th step"),
         (["model.use_fp8=true", "model.dim=72", "model.n_heads=4"], 1,
          "model.use_fp8=true needs every fp8 GEMM dimension divisible by 16 (torch._scaled_mm): model.dim = 72 is not"),
         (["model.use_fp8=true", "model_parallel_size=8", "model.n_heads=8", "model.n_kv_heads=8"], 8,
