@@ -16,6 +16,7 @@ from tests.distributed.spawn import run_ranks
 
 # Every fp8 GEMM dimension a multiple of 16 under tp=2: head_dim 16, ffn hidden 96, 2 x 8 tokens.
 FP8_MODEL = {"n_layers": 4, "dim": 32, "n_heads": 2, "n_kv_heads": 2, "use_fp8": True}
+GRAD_NORM_RTOL = 0.05
 LAYOUT = dict(model_parallel_size=2, pipeline_schedule="gpipe", batch_size=4, microbatch_size=2)
 
 
@@ -48,9 +49,11 @@ def _check_fp8(rank: int, world: int) -> None:
     _, concat = train(fp8_config(reshard_after_forward=False, optimize_backward_concat=True), world)
     _, again = train(fp8_config(reshard_after_forward=False), world)
 
-    # fp8 trains the same model: close to the compute-dtype run, and exactly reproducible.
-    for a, b in zip(_losses(base), _losses(bf)):
-        assert math.isclose(a, b, rel_tol=2e-2), (a, b)
+    # fp8 trains the same model: close to the compute-dtype run, and exactly reproducible. The losses
+    # stay near ln(vocab) in 3 steps whatever the GEMMs do; the gradient norms are what tell.
+    for a, b in zip(base, bf, strict=True):
+        assert math.isclose(a.loss, b.loss, rel_tol=2e-2), (a.loss, b.loss)
+        assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=GRAD_NORM_RTOL), (a.grad_norm, b.grad_norm)
     assert _losses(again) == _losses(base)
     assert _losses(concat) == _losses(base), (_losses(concat), _losses(base))
 

@@ -15,11 +15,12 @@ import torch
 from model.args import ModelArgs
 from model.te import TEBlocks
 from parallel.random import RNGStreams
-from tests.distributed.pipeline_cases import config, make_trainer, train
+from tests.distributed.pipeline_cases import assert_matches, config, make_trainer, reference_of, train
 from tests.distributed.spawn import run_ranks
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
+from trainer.metrics import StepMetrics
 from trainer.state import checkpoint_state, load_into
 
 FAKE_TE = Path(__file__).resolve().parents[1] / "fake_te"
@@ -39,9 +40,9 @@ def _te_trainer(cfg: TrainConfig, world: int) -> Trainer:
     return trainer
 
 
-def _te_losses(cfg: TrainConfig, world: int) -> list[float]:
+def _te_metrics(cfg: TrainConfig, world: int) -> list[StepMetrics]:
     trainer = _te_trainer(cfg, world)
-    return [trainer.train_step(step).loss for step in range(1, cfg.steps + 1)]
+    return [trainer.train_step(step) for step in range(1, cfg.steps + 1)]
 
 
 class _FixedSampler:
@@ -95,10 +96,8 @@ def _check(rank: int, world: int, root: str) -> None:
     for label, layout in LAYOUTS.items():
         fake_te.AUTOCAST_REGIONS.clear(), fake_te.FIRST_MICROBATCH_FLAGS.clear(), fake_te.MAIN_GRAD_WRITES.clear()
         cfg = config(**{**layout, "model": {**layout.get("model", {}), "use_te_layers": True}})
-        te_losses = _te_losses(cfg, world)
-        in_tree = [m.loss for m in train(config(**layout), world)[1]]
-        for got, want in zip(te_losses, in_tree, strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (label, te_losses, in_tree)
+        # The gradient norm too: a main_grad write off by a constant factor leaves Adam's losses alike.
+        assert_matches(_te_metrics(cfg, world), reference_of(train(config(**layout), world)[1]), label)
         assert len(fake_te.MAIN_GRAD_WRITES) > 0, label
         # ZeRO-2: the marks reach TE, which caches fp8 weight casts; ZeRO-3: None, so TE keeps no copy.
         flags = {True, False} if layout.get("reshard_after_forward") is False else {None}

@@ -24,6 +24,7 @@ def test_eval_loss_is_layout_independent_and_leaves_training_alone(tmp_path):
     assert sorted(reference) == [2, 4]  # every eval.freq steps; records on those steps, log_freq or not
     assert reference[4] < reference[2]  # it learns what it never saw
     for name, records in layouts.items():
+        assert sorted(_eval_losses(records)) == [2, 4], name
         for step, value in _eval_losses(records).items():
             assert math.isclose(value, reference[step], rel_tol=1e-6), (name, step, value, reference[step])
     without_eval = train_ok(0, tmp_path / "no_eval", *BASE, "batch_size=4", "log_all_steps=true")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from model.transformer import Transformer
@@ -20,7 +21,6 @@ from trainer.data import prepare_dataset
 from trainer.hf_import import check_hf_folder, run_tokenizer, tensor_files
 from trainer.state import load_full_weights
 
-transformers = pytest.importorskip("transformers")
 # An LR far below one ulp of any weight: the step-1 checkpoint holds the imported weights unchanged.
 FROZEN = ("model=tiny", "seq_len=64", "steps=1", "checkpoint.freq=1", "optim.lr=1e-30", "optim.warmup_steps=0")
 MAX_REL_DIFF = 1e-5  # of the logit scale; both sides fp32 eager attention

@@ -4,8 +4,8 @@ space: transformers reads it to the training's ids, and config.json carries thos
 
 import json
 
-import pytest
 import sentencepiece as spm
+import transformers
 
 from model.hf import hf_config
 from model.args import ModelArgs
@@ -16,7 +16,6 @@ TEXT = "the pipeline shards the gradient\n" * 40 + "tokens per rank and per step
 
 
 def test_custom_special_tokens_reach_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
     (tmp_path / "corpus.txt").write_text(TEXT)
     spm.SentencePieceTrainer.Train(
         input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "custom"), vocab_size=60, model_type="bpe",

@@ -95,9 +95,17 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
     assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
     assert m.tflops_compute == pytest.approx(m.tflops / 0.75) and m.tflops_compute >= m.tflops
     assert m.comm_wait_s == 0.25
+    assert m.mfu is None and m.mfu_compute is None  # a device with no known peak
     for elapsed in (0.0123456789, 0.3, 1.7, 2.9e-3):  # no wait: the same number, not one ulp below
         m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=elapsed)
         assert m.tflops_compute == m.tflops and m.comm_wait_s == 0
+
+    trainer.peak_flops = 2e9  # MFU: each device's achieved FLOP/s over its peak
+    comm.LEDGER.wait_s = 0.5
+    m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=2.0)
+    comm.LEDGER.reset()
+    assert m.mfu == pytest.approx(per_token * 4 * 128 / 2 / 2.0 / 2e9)
+    assert m.mfu_compute == pytest.approx(m.mfu * 2.0 / 1.5)
 
 
 def test_adamw_is_torch_adamw_bitwise():
