@@ -5,27 +5,25 @@ import json
 import re
 from pathlib import Path
 
+from tests.e2e.conftest import CHECKPOINTED_RUN
 from tests.e2e.launch import losses, metrics, train
 from trainer.dcp_io import SafeFileSystemReader
 
-RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "batch_size=2",
-       "optim.decay_steps=6", "checkpoint.freq=2")
+RUN = (*CHECKPOINTED_RUN, "checkpoint.async_save=true")
 
 
 def shard_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.glob("*.distcp")}
 
 
-def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    reference = train(2, sync, *RUN, "steps=6")
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path, checkpointed_run):
+    sync, background = checkpointed_run, tmp_path / "async"
     # Every rank stops as step 3 begins (an agreed nan_policy=halt), step 2's save still in flight:
     # nothing polled it yet, so only the halt's own wait can complete it.
-    first = train(2, background, *RUN, "steps=6", "checkpoint.async_save=true", fault="halt:3:all")
+    first = train(2, background, *RUN, fault="halt:3:all")
     assert first.returncode != 0 and "non-finite gradient (faulty_train)" in first.stderr, first.stderr[-3000:]
     assert (background / "checkpoints" / "step_2" / "manifest.json").is_file(), first.stdout + first.stderr[-3000:]
-    resumed = train(2, background, *RUN, "steps=6", "checkpoint.async_save=true")
+    resumed = train(2, background, *RUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
 

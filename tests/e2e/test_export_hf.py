@@ -8,10 +8,12 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from model.transformer import Transformer
 from model.hf import to_hf
@@ -38,18 +40,32 @@ def _our_model(ckpt: Path) -> Transformer:
     return model.eval()
 
 
+LAYOUTS = {"single": (0, ()), "pp2": (2, ("pipeline_parallel_size=2",))}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_of(tmp_path_factory) -> Callable[[str], Path]:
+    """The step-2 checkpoint of a short run on the named layout, trained once per module."""
+    trained = {}
+
+    def checkpoint(name: str) -> Path:
+        if name not in trained:
+            nproc, layout = LAYOUTS[name]
+            run = tmp_path_factory.mktemp(name)
+            train_ok(nproc, run, "model=tiny", "steps=2", "checkpoint.freq=2", "log_freq=1", *layout)
+            trained[name] = run / "checkpoints" / "step_2"
+        return trained[name]
+
+    return checkpoint
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [(0, ()), (2, ("pipeline_parallel_size=2",)), (2, ("context_parallel_size=2", "context_parallel_comm=ring"))],
-    ids=["single", "pp2", "cp2"],
-)
-def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_export_matches_transformers_llama(tmp_path: Path, checkpoint_of, name: str) -> None:
     """pp2 gathers the full weights from two stages' checkpoints. The export of TP-sharded (and
-    FSDP-sharded) flat checkpoints is test_hf_import's: tp2 x dp2, back to transformers' tensors bitwise."""
-    transformers = pytest.importorskip("transformers")
-    train_ok(nproc, tmp_path / "run", "model=tiny", "steps=2", "checkpoint.freq=2", "log_freq=1", *layout)
-    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+    FSDP-sharded) flat checkpoints is test_hf_import's: tp2 x dp2, back to transformers' tensors bitwise.
+    Which ranks wrote the shards changes nothing else: export reads the full parameters' boxes."""
+    ckpt = checkpoint_of(name)
     done = _export(ckpt, tmp_path / "hf")
     assert done.returncode == 0, done.stderr
 
@@ -77,17 +93,23 @@ def test_export_matches_transformers_llama(tmp_path: Path, nproc: int, layout: t
     hf_ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids
     assert hf_ids == [BOS_ID, *Tokenizer(ckpt / "tokenizer.model").encode(text)]
 
+
+def test_a_bad_checkpoint_or_a_used_output_folder_is_one_error_line(tmp_path: Path, checkpoint_of) -> None:
+    ckpt = checkpoint_of("single")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(ckpt, corrupt)
     shard = next(corrupt.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the manifest's sha256 can tell
     shard.write_bytes(bytes(data))
+    used = tmp_path / "hf"
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"an earlier export")
     # A missing or corrupt checkpoint, and an export over an existing model folder (whose stale shards
     # a reader could take for the export's).
     for bad, out, fragment in ((tmp_path / "missing", tmp_path / "hf_bad", "is not a checkpoint"),
                                (corrupt, tmp_path / "hf_bad", "sha256"),
-                               (ckpt, tmp_path / "hf", "is not an empty folder")):
+                               (ckpt, used, "is not an empty folder")):
         failed = _export(bad, out)
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr

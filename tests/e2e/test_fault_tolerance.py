@@ -2,24 +2,21 @@
 `torchrun --max-restarts` makes torchrun restart the group, which resumes from the newest complete
 checkpoint and ends with the losses of a run that was never interrupted, bit for bit."""
 
-import random
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.faulty_train import POINTS
-from tests.e2e.launch import error_lines, losses, metrics, train, train_ok
+from tests.e2e.conftest import CHECKPOINTED_RUN
+from tests.e2e.launch import error_lines, losses, metrics, train
 
-RUN = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "steps=6",
-       "batch_size=2", "checkpoint.freq=2", "checkpoint.keep=1")
-SAVED_AT = (2, 4, 6)
+RUN = (*CHECKPOINTED_RUN, "checkpoint.keep=1")
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[int, float]:
-    return losses(train_ok(2, tmp_path_factory.mktemp("straight"), *RUN))
+def straight(checkpointed_run) -> dict[int, float]:
+    return losses(metrics(checkpointed_run))
 
 
 def run_with_fault(dump_dir: Path, fault: str) -> subprocess.CompletedProcess:
@@ -51,17 +48,15 @@ def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, str
         assert "resumed from" not in output and "moved 1 record(s)" in output
 
 
-def test_workers_killed_at_random_points_recover_bitwise(tmp_path, straight):
-    seed = random.randrange(1 << 16)
-    print(f"fault points drawn with seed {seed}")
-    draw = random.Random(seed)
-    for i in range(3):
-        point = draw.choice(POINTS)
-        step = draw.choice(SAVED_AT) if point.startswith("save") else draw.randint(1, 6)
-        rank = 0 if point == "save_rename" else draw.randint(0, 1)  # rank 0 renames the folder
-        fault = f"{point}:{step}:{rank}"
-        proc = run_with_fault(tmp_path / f"dump{i}", fault)
-        assert_recovered(proc, tmp_path / f"dump{i}", fault, straight)
+@pytest.mark.parametrize("fault, resumed_at", [("backward:3:1", 2), ("optimizer:5:0", 4)])
+def test_a_kill_in_backward_or_the_optimizer_resumes_from_the_newest_checkpoint(tmp_path, straight, fault,
+                                                                                 resumed_at):
+    """Mid-step kills: in one rank's backward (its peer waits in a collective) and inside the optimizer
+    step (some parameters may already be updated in memory): the restart redoes the step from the
+    newest checkpoint, whatever the dead group had half-done."""
+    proc = run_with_fault(tmp_path / "dump", fault)
+    assert_recovered(proc, tmp_path / "dump", fault, straight)
+    assert f"step_{resumed_at} (step {resumed_at})" in proc.stdout + proc.stderr
 
 
 def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):

@@ -8,8 +8,9 @@ import pytest
 from scripts.compare_runs import main as compare_runs
 from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 
-# Small and quick: tiny model, short sequences, a warmup short enough for the loss to move in 6 steps.
-FAST = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true")
+# Small and quick: tiny model, short sequences, a warmup short enough for the loss to move in 6 steps;
+# as many KV heads as heads, so that tp=4 (the resharding test) divides them.
+FAST = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "model.n_kv_heads=4")
 CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops", "mem_peak_gib", "comm"}
 
 
@@ -19,16 +20,22 @@ LAYOUTS = {  # name: (ranks, overrides); every layout sees the same 4-sequence g
     "dp4": (4, ("batch_size=1",)),
     "hsdp2x2": (4, ("batch_size=1", "dp_replicate=2", "optimize_backward_concat=true")),
     "tp2sp": (2, ("batch_size=4", "model_parallel_size=2", "model.sequence_parallel=true")),
-    "tp2dp2": (4, ("batch_size=2", "model_parallel_size=2", "microbatch_size=2")),
+    # Its step-3 checkpoint is the one test_a_checkpoint_resumes_on_other_layouts reshards.
+    "tp2dp2": (4, ("batch_size=2", "model_parallel_size=2", "microbatch_size=2", "checkpoint.freq=3")),
 }
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    return {
-        name: train_ok(nproc, tmp_path_factory.mktemp(name), *FAST, "steps=6", *overrides)
-        for name, (nproc, overrides) in LAYOUTS.items()
-    }
+def layout_dirs(tmp_path_factory):
+    dirs = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
+    for name, (nproc, overrides) in LAYOUTS.items():
+        train_ok(nproc, dirs[name], *FAST, "steps=6", *overrides)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def layout_runs(layout_dirs):
+    return {name: metrics(folder) for name, folder in layout_dirs.items()}
 
 
 def test_loss_falls_on_every_layout(layout_runs):
@@ -92,8 +99,6 @@ def test_resume_is_bitwise(tmp_path, layout_runs, name):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
 
 
-# tp=4 needs as many KV heads; every run of the resharding test uses the same model.
-MHA = ("model.n_kv_heads=4",)
 RELAYOUTS = {
     "tp1dp4": (4, ("batch_size=1",)),
     "tp4dp1": (4, ("batch_size=4", "model_parallel_size=4", "model.sequence_parallel=true")),
@@ -101,19 +106,20 @@ RELAYOUTS = {
 }
 
 
-def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
+def test_a_checkpoint_resumes_on_other_layouts(tmp_path, layout_dirs, layout_runs):
     """A tp2 x dp2 checkpoint of step 3 resumes on tp1 x dp4, tp4 x dp1 and tp2 x pp2: every rank reads
     the boxes of the full parameters (and Adam moments) it owns, and steps 4-6 match the run that never
-    stopped."""
-    straight_dir = tmp_path / "straight"
-    straight = losses(train_ok(4, straight_dir, *FAST, *MHA, "steps=6", "checkpoint.freq=3", *LAYOUTS["tp2dp2"][1]))
+    stopped, in loss and gradient norm."""
+    straight = {r["step"]: r for r in layout_runs["tp2dp2"]}
     for name, (nproc, overrides) in RELAYOUTS.items():
         relaid = tmp_path / name
-        shutil.copytree(straight_dir / "checkpoints" / "step_3", relaid / "checkpoints" / "step_3")
-        resumed = losses(train_ok(nproc, relaid, *FAST, *MHA, "steps=6", *overrides))
-        assert sorted(resumed) == [4, 5, 6], name
-        for step, loss in resumed.items():
-            assert math.isclose(loss, straight[step], rel_tol=1e-5), (name, step, loss, straight[step])
+        shutil.copytree(layout_dirs["tp2dp2"] / "checkpoints" / "step_3", relaid / "checkpoints" / "step_3")
+        resumed = train_ok(nproc, relaid, *FAST, "steps=6", *overrides)
+        assert [r["step"] for r in resumed] == [4, 5, 6], name
+        for record in resumed:
+            for key in ("loss", "grad_norm"):
+                want = straight[record["step"]][key]
+                assert math.isclose(record[key], want, rel_tol=1e-5), (name, record["step"], key, record[key], want)
 
 
 def test_deterministic_runs_are_bitwise_identical(tmp_path, capsys):
