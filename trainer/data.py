@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from parallel.errors import ConfigError
+from trainer.dump_dir import write_problem
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.token_shards import (
     PackedTokens,
@@ -56,10 +57,13 @@ def resolve_source_files(source: str | None) -> list[Path]:
         return default_corpus_files()
     root = Path(source).expanduser()
     if not root.exists():
-        raise ConfigError(f"data.source={source} does not exist")
+        broken = root.is_symlink()  # exists() follows links: a dangling or looping link reads as absent
+        raise ConfigError(f"data.source={source} {'is a link that leads nowhere' if broken else 'does not exist'}")
     if root.is_file():
         _check_text_file(root, source)
         return [root]
+    if not root.is_dir():
+        raise ConfigError(f"data.source={source} is neither a file nor a folder (a pipe, socket or device)")
     files = [path for path in _visible_files_under(root) if path.suffix in SOURCE_SUFFIXES and path.is_file()]
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
@@ -151,6 +155,9 @@ def prepare_dataset(
     agree(key)
     paths = _CachePaths(Path(cache_dir), key)
     if is_main_rank:
+        problem = None if paths.complete(given is not None) else write_problem(Path(cache_dir))
+        if problem is not None:
+            raise ConfigError(f"data.cache_dir={cache_dir} {problem} (the main rank builds the cache there)")
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)
     if paths.complete(given is not None):

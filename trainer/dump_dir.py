@@ -177,12 +177,20 @@ def _unwritable(dump_dir: Path, checkpoints: bool) -> str | None:
     """Why the job could not write its outputs (None if it can), found before any work is done."""
     folders = [dump_dir, dump_dir / "checkpoints"] if checkpoints else [dump_dir]
     for folder in folders:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            probe = folder / f".write_probe_{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
+        problem = write_problem(folder)
+        if problem is not None:
             key = "dump_dir" if folder == dump_dir else "dump_dir (its checkpoints/ folder, checkpoint.freq > 0)"
-            return f"{key}={folder} is not a writable folder: {e.strerror or e}"
+            return f"{key}={folder} {problem}"
+    return None
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (created if missing), or None: a probe file is."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_probe_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"is not a writable folder: {e.strerror or e}"
     return None

@@ -115,13 +115,22 @@ def iter_documents(path: Path) -> Iterator[str]:
 
 
 def _jsonl_text(line: str, path: Path, line_no: int) -> str:
+    where = f"data.source={path}:{line_no}"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"data.source={path}:{line_no} is not valid JSON ({exc.msg})") from exc
+        raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from exc
+    except (RecursionError, ValueError) as exc:  # valid JSON past Python's limits: nesting, integer digits
+        raise ConfigError(f"{where} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ConfigError(f'data.source={path}:{line_no} has no string "text" field')
-    return record["text"]
+        raise ConfigError(f'{where} has no string "text" field')
+    text = record["text"]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer takes
+        raise ConfigError(f'{where}: its "text" is not Unicode text ({exc.reason} {text[exc.start]!r} at '
+                          f"character {exc.start})") from exc
+    return text
 
 
 # Fixed settings: changing any of them changes every trained model, so they are part of the cache key.

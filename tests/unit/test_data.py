@@ -159,6 +159,21 @@ def test_failed_write_leaves_nothing(tokenizer: Tokenizer, tmp_path: Path) -> No
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("line, fragment", [
+    ('{"text": "abc \\ud800 def"}', "is not Unicode text (surrogates not allowed '\\ud800' at character 4)"),
+    ('{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "cannot be read: RecursionError"),
+    ('{"text": "a", "n": ' + "9" * 5000 + "}", "cannot be read: ValueError: Exceeds the limit"),
+])
+def test_json_that_python_cannot_take_names_its_line(tmp_path: Path, line: str, fragment: str) -> None:
+    """Valid JSON past what Python or a tokenizer takes (a lone surrogate, deep nesting, a huge integer)
+    is bad data like any other: one ConfigError naming the file and line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError) as caught:
+        list(iter_documents(bad))
+    assert str(caught.value).startswith(f"data.source={bad}:2") and fragment in str(caught.value), caught.value
+
+
 # --- batch loader ----------------------------------------------------------------------------------
 
 
@@ -194,6 +209,12 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
     (tmp_path / "empty" / "x.bin").write_bytes(b"0")
     with pytest.raises(ConfigError, match=r"data\.source=.*empty contains no"):
         resolve_source_files(str(tmp_path / "empty"))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"data\.source=.*loop is a link that leads nowhere$"):
+        resolve_source_files(str(tmp_path / "loop"))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ConfigError, match=r"data\.source=.*fifo is neither a file nor a folder"):
+        resolve_source_files(str(tmp_path / "fifo"))
 
 
 def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_file(
@@ -271,6 +292,15 @@ def test_cache_is_built_once_and_half_written_folders_never_count(corpus: Path, 
     _, rebuilt = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
     assert not any("training" in line for line in lines)  # the finished tokenizer is reused
     assert (rebuilt.path / "tokens.bin").read_bytes() == expected
+
+
+def test_a_cache_dir_that_cannot_hold_the_cache_is_one_line(corpus: Path, tmp_path: Path) -> None:
+    """Checked before anything slow (and before the error marker, which would land in it too)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for cache_dir in (blocker, blocker / "below"):
+        with pytest.raises(ConfigError, match=rf"data.cache_dir={cache_dir} is not a writable folder: .*builds the cache"):
+            prepare_dataset(str(corpus), None, VOCAB, cache_dir, True, print)
 
 
 @pytest.mark.parametrize("offset", [0, 150_000 - 10])
