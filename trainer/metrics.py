@@ -80,10 +80,12 @@ def _json_value(v: object) -> object:
 
 
 def _is_record(line: str) -> bool:
+    """A JSON object with an integer "step", as every line this log writes."""
     try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
         return False
+    return isinstance(record, dict) and type(record.get("step")) is int
 
 
 def read_history(path: Path) -> tuple[list[str], str | None]:
@@ -96,7 +98,8 @@ def read_history(path: Path) -> tuple[list[str], str | None]:
     partial = lines.pop() if lines and (not text.endswith("\n") or not _is_record(lines[-1])) else None
     for number, line in enumerate(lines, 1):
         if not _is_record(line):
-            raise ConfigError(f"{path} line {number} is not a JSON record; repair the file or move it away")
+            raise ConfigError(f"{path} line {number} is not a step record (a JSON object with an integer \"step\"); "
+                              "repair the file or move it away")
     return lines, partial
 
 

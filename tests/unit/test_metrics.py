@@ -1,6 +1,10 @@
-"""The step line's ETA counts the wall time between logged steps, checkpoint saves included."""
+"""metrics.jsonl: the step line's ETA counts the wall time between logged steps, checkpoint saves included;
+the history a resume reads back."""
 
-from trainer.metrics import MetricsLog, StepMetrics
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.metrics import MetricsLog, StepMetrics, read_history
 
 
 def _metrics(step: int, wall_time: float) -> StepMetrics:
@@ -20,3 +24,16 @@ def test_eta_includes_checkpoint_saves(tmp_path):
         log.log(_metrics(step, wall))
     # 29 s over 9 steps, not 0.5 s per step: 90 steps left take 290 s.
     assert log.human_line(_metrics(10, wall)).endswith("ETA 0:04:50")
+
+
+def test_a_history_line_without_an_integer_step_is_damage_named_by_its_line(tmp_path):
+    """A resume sorts records by step before it writes anything: a line it cannot sort is one error line
+    naming it, not a KeyError after the run's files were rewritten. The last line is a partial write
+    (moved aside by the resume), whatever it holds."""
+    path = tmp_path / "metrics.jsonl"
+    for bad in ('{"foo": 1}', '{"step": "x"}', '{"step": true}', "[" * 100_000 + "]" * 100_000):
+        path.write_text(f'{{"step": 1}}\n{bad}\n{{"step": 2}}\n')
+        with pytest.raises(ConfigError, match=r"line 2 is not a step record \(a JSON object with an integer \"step\"\)"):
+            read_history(path)
+        path.write_text(f'{{"step": 1}}\n{bad}\n')
+        assert read_history(path) == (['{"step": 1}'], bad)
