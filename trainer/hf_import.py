@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from model.args import ModelArgs
 from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names, hf_shapes
@@ -40,9 +40,22 @@ def run_tokenizer(data_tokenizer: str | None, init_from_hf: str | None) -> str |
 
 def read_hf_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{KEY}={folder}: no readable config.json ({e.__class__.__name__}: {e})")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{KEY}={folder}: config.json holds a JSON {type(config).__name__}, not an object")
+    if not isinstance(config.get("rope_parameters") or {}, dict):
+        raise ConfigError(f"{KEY}={folder}: config.json's rope_parameters={config['rope_parameters']!r} is not an object")
+    return config
+
+
+def _open_safetensors(folder: Path, path: Path):
+    """safe_open, with a missing or damaged file as one error line naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{KEY}={folder}: {path.name} is not a readable safetensors file ({e})") from e
 
 
 # config.json fields our model has no equivalent for, and the value it implies.
@@ -62,7 +75,7 @@ def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:
     files = tensor_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(set(files.values())):
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(folder, path) as f:
             shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path}
     for name, expected in hf_shapes(args).items():
         stored = TIED_HEAD[1] if tied and name == TIED_HEAD[0] and name not in shapes else name
@@ -89,7 +102,9 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
         raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={config['rope_theta']!r} and "
                           f"rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 4 reads the first, 5 the "
                           "second): make them agree")
-    config = {"head_dim": config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1),
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    sizes_given = all(type(n) is int and n > 0 for n in (hidden, heads))  # else named below as they differ
+    config = {"head_dim": hidden // heads if sizes_given else None,
               "rope_theta": rope.get("rope_theta")} | {k: v for k, v in config.items() if v is not None}
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
               for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
@@ -103,14 +118,16 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     model.safetensors wins over an index of shards."""
     single = folder / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(folder, single) as f:
             return {name: single for name in f.keys()}
     if not (folder / INDEX).is_file():
         raise ConfigError(f"{KEY}={folder}: neither model.safetensors nor {INDEX} is there")
     try:
         weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{KEY}={folder}: {INDEX}'s weight_map is not an object of tensor name: file name")
     return {name: folder / file for name, file in weight_map.items()}
 
 
@@ -128,7 +145,7 @@ class _Reader:
             raise ConfigError(f"{KEY}={self.folder}: tensor {name} is missing")
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
+            self._open[path] = _open_safetensors(self.folder, path)
         return self._open[path].get_slice(name)[index]
 
 

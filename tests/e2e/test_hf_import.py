@@ -107,6 +107,20 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     save_file(tensors, tmp_path / "oversized" / "model.safetensors", metadata={"format": "pt"})
     cases["oversized"] = (f"tensor model.embed_tokens.weight has shape [{args.vocab_size + 64}, {args.dim}], "
                           f"the configured model needs [{args.vocab_size}, {args.dim}]")
+    # Hand-edited folders: JSON of the wrong shape, a damaged tensor file.
+    for name, edit, fragment in (
+        ("list_config", lambda c: [1, 2], "config.json holds a JSON list, not an object"),
+        ("string_rope", lambda c: c | {"rope_parameters": "x"}, "config.json's rope_parameters='x' is not an object"),
+        ("string_size", lambda c: c | {"hidden_size": str(c["hidden_size"])},
+         f"hidden_size='{args.dim}' vs model.dim={args.dim}"),
+    ):
+        tiny_llama(tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps(edit(config)))
+        cases[name] = fragment
+    tiny_llama(tmp_path / "garbage")
+    (tmp_path / "garbage" / "model.safetensors").write_bytes(b"\xff" * 64)
+    cases["garbage"] = "model.safetensors is not a readable safetensors file"
     for name, fragment in cases.items():
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")) as e:
             check_hf_folder(tmp_path / name, args)
