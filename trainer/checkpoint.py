@@ -11,6 +11,7 @@ so a corrupt or hostile checkpoint is an error line, not arbitrary code.
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     """(N, path) of every step_N folder, complete or not, oldest first."""
     return sorted((int(p.name[len(_STEP_PREFIX):]), p) for p in root.glob(f"{_STEP_PREFIX}*")
-                  if p.name[len(_STEP_PREFIX):].isdigit())
+                  if re.fullmatch("[0-9]+", p.name[len(_STEP_PREFIX):]))  # ASCII digits: isdigit() takes "²"
 
 
 def refuse_damaged_newer(root: Path, after: int) -> None:
@@ -86,7 +87,10 @@ def prepare_save(root: Path, step: int, group: ProcessGroup, rank: int) -> Path:
     tmp = root / f".tmp_{_STEP_PREFIX}{step}"
     if rank == 0:
         for stale in root.glob(f".tmp_{_STEP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:  # a file or link in the hidden folder's place would fail the mkdir below
+                stale.unlink(missing_ok=True)
         tmp.mkdir(parents=True)
     comm.barrier(group)
     return tmp

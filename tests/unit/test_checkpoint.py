@@ -26,13 +26,21 @@ def test_round_trip_prune_and_latest(tmp_path, world):
         save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})
     (tmp_path / "step_9").mkdir()  # no manifest: an interrupted copy, not a checkpoint
     (tmp_path / ".tmp_step_10").mkdir()
+    (tmp_path / "step_\u00b2").mkdir()  # a superscript two: a digit to str.isdigit(), not to int()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
     prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3", "step_9"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3", "step_9", "step_\u00b2"]
     target = {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.tensor(0)}}
     verify_checkpoint(tmp_path / "step_3", world, rank=0, world=1, checksums=True)
     load_checkpoint(tmp_path / "step_3", target, world)
     assert torch.equal(target["model"]["w"], state(3)["model"]["w"]) and int(target["trainer"]["step"]) == 3
+
+
+def test_a_file_where_a_save_puts_its_hidden_folder_is_cleared(tmp_path, world):
+    (tmp_path / ".tmp_step_4").write_text("left by hand")
+    (tmp_path / ".tmp_step_7").symlink_to(tmp_path / "nowhere")
+    save_checkpoint(tmp_path, 4, state(4), world, rank=0, extra_files={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
 
 
 def test_only_a_manifest_less_folder_the_run_would_overwrite_is_refused(tmp_path):
