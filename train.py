@@ -1,5 +1,6 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
+import re
 import signal
 import sys
 import time
@@ -26,13 +27,18 @@ from trainer.validate import validate
 RANK0_FIRST_S = 2.0
 PEERS_TIME_OUT_S = 3.0
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONFIG_GROUPS = {p.parent.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR}
 
 
 def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
     """Hydra reports a bad override (an unknown key, a missing config option, broken syntax) in several
     lines and exits 1 before the trainer runs: compose the config first, so that it is one `error:` line
     and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps, and sweeps asked for
-    by hydra.mode=MULTIRUN) go to it unchecked."""
+    by hydra.mode=MULTIRUN) go to it unchecked, except for deletions."""
+    deletions = [o for o in overrides if o.startswith("~")]
+    if deletions:  # the trainer would fill the deleted key with its built-in default, without a word
+        exit_on_bad_input(f"{deletions[0]}: deleting a config key is not supported; set its value instead", launch,
+                          code=2)
     if any(arg.startswith("-") or arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
         return
     try:
@@ -40,9 +46,15 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
             compose(config_name="config", overrides=overrides)
     except HydraException as e:
         exit_on_bad_input(one_line(e), launch, code=2)
-    except ValueError as e:  # hydra's own wording for e.g. `data=null`, without the override
-        offending = [o for o in overrides if o.split("=", 1)[-1] in ("null", "~")] or overrides
+    except ValueError as e:  # hydra's own wording for e.g. `data=null` or `optim=3`, without the override
+        offending = [o for o in overrides if is_bad_group_choice(o)] or overrides
         exit_on_bad_input(f"{' '.join(offending)}: {e}", launch, code=2)
+
+
+def is_bad_group_choice(override: str) -> bool:
+    """`group=value` for a config group (a folder of conf/) whose value cannot name one of its files."""
+    key, _, value = override.lstrip("+").partition("=")
+    return key in CONFIG_GROUPS and (value == "null" or not re.fullmatch(r"[A-Za-z_][\w.-]*", value))
 
 
 def one_line(e: HydraException) -> str:

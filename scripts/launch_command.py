@@ -11,6 +11,7 @@ the same for two jobs on one head node only when their ids differ by a multiple 
 """
 
 import argparse
+import os
 import shlex
 import socket
 import sys
@@ -64,7 +65,7 @@ def dump_dir_of(overrides: list[str], default: str | None) -> str:
     if default is not None and "dump_dir" not in {override_key(o) for o in overrides if "=" in o}:
         overrides = [f"dump_dir={hydra_quoted(default)}", *overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return str(compose(config_name="config", overrides=overrides).dump_dir)
+        return os.path.expanduser(str(compose(config_name="config", overrides=overrides).dump_dir))  # as the trainer
 
 
 def hydra_quoted(value: str) -> str:

@@ -7,6 +7,7 @@ are rejected when set away from their defaults, never silently ignored.
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -134,6 +135,10 @@ class TrainConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        # `~` as the shell expands it: a quoted or composed dump_dir would otherwise make a folder named "~".
+        self.dump_dir = os.path.expanduser(self.dump_dir)
 
     @property
     def virtual_pipeline_stages(self) -> int:

@@ -42,6 +42,9 @@ FP32_MAX = torch.finfo(torch.float32).max  # the optimizer's hyperparameters bec
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
 _DEFAULTS = TrainConfig()
+# Microbatches per step and rank: the schedule lists each one's actions, so a typo such as batch_size=10**9
+# would spend minutes and gigabytes on it before the data could say it has too few sequences.
+MAX_MICROBATCHES = 16384
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -89,6 +92,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"stop_signal={cfg.stop_signal} is not one of: {' | '.join(STOP_SIGNALS)} (or null)")
     if cfg.batch_size % cfg.microbatch_size:
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by microbatch_size={cfg.microbatch_size}")
+    if cfg.num_microbatches > MAX_MICROBATCHES:
+        raise ConfigError(f"batch_size / microbatch_size = {cfg.num_microbatches} microbatches per step is more than "
+                          f"{MAX_MICROBATCHES}; raise microbatch_size (or lower batch_size, which is per data-parallel rank)")
     if cfg.optimize_backward_concat and cfg.grad_reduce != "last_microbatch":
         raise ConfigError(f"optimize_backward_concat=true needs grad_reduce=last_microbatch (with "
                           f"grad_reduce={cfg.grad_reduce} every microbatch concatenates its gradient to reduce it)")

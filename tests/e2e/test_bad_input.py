@@ -24,7 +24,9 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("foo=1",), ("Could not override 'foo'", "+foo=1")),  # hydra's errors are one line too
         (("model=nope",), ("model/nope", "small | tiny")),
         (("seq_len",), ("seq_len", "missing EQUAL")),
-        (("data=null",), ("data=null: Config group override must be a string or a list",)),
+        (("~steps",), ("~steps: deleting a config key is not supported; set its value instead",)),
+        (("data=null",), ("error: data=null: Config group override must be a string or a list",)),
+        (("optim=3",), ("error: optim=3: Config group override must be a string or a list",)),
         (("seed=${oc.env:NO_SUCH_VARIABLE}",), ("seed: ", "Environment variable 'NO_SUCH_VARIABLE' not found")),
     ],
 )

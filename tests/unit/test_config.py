@@ -66,6 +66,7 @@ def test_llama3_8b_dimensions():
         (["model_parallel_size=2", "model.sequence_parallel=true", "seq_len=63"], 2,
          "seq_len=63 is not divisible by model_parallel_size (model.sequence_parallel=true)=2"),
         (["microbatch_size=3"], 1, "batch_size=4 is not divisible by microbatch_size=3"),
+        (["batch_size=1000000000"], 1, "batch_size / microbatch_size = 1000000000 microbatches per step is more than 16384"),
         (["compute_dtype=fp16"], 1, "compute_dtype=fp16 is not one of: null | bf16 | fp32"),
         (["model.layer_ckpt=some"], 1, "model.layer_ckpt=some is not one of"),
         (["steps=0"], 1, "steps=0 must be > 0"),
@@ -174,3 +175,9 @@ def test_wrong_types_and_unknown_keys():
         from_dict({"seed": "x"})
     with pytest.raises(ConfigError, match="optim.betas is not a known config key"):
         from_dict({"optim": {"betas": 1}})
+
+
+def test_dump_dir_expands_home_as_the_shell_would():
+    """Quoted (`dump_dir='~/runs/a'`) or composed, `~` reaches the config unexpanded; data paths expand it."""
+    assert from_dict({"dump_dir": "~/runs/a"}).dump_dir == str(Path.home() / "runs" / "a")
+    assert from_dict({"dump_dir": "runs/~a"}).dump_dir == "runs/~a"

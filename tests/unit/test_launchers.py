@@ -82,6 +82,7 @@ def test_the_dump_dir_the_batch_script_checks_is_the_one_the_run_writes():
         assert [a for a in args if "dump_dir" in a] == [override]  # no default added beside it
         assert dump_dir_of(["model=tiny", override], "dump/slurm-7") == "/data/run1"
     assert dump_dir_of(["model=tiny"], "dump/slurm-7") == "dump/slurm-7"
+    assert dump_dir_of(["dump_dir='~/run1'"], None) == str(Path.home() / "run1")  # as TrainConfig expands it
 
 
 def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_path):
