@@ -1,6 +1,6 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
-import re
+import os
 import signal
 import sys
 import time
@@ -9,6 +9,7 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
@@ -27,6 +28,8 @@ from trainer.validate import validate
 RANK0_FIRST_S = 2.0
 PEERS_TIME_OUT_S = 3.0
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+# conf/config.yaml's sweep folder expands `~` in dump_dir as TrainConfig does.
+OmegaConf.register_new_resolver("expanduser", os.path.expanduser, replace=True)
 CONFIG_GROUPS = {p.parent.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR}
 
 
@@ -52,9 +55,10 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
 
 
 def is_bad_group_choice(override: str) -> bool:
-    """`group=value` for a config group (a folder of conf/) whose value cannot name one of its files."""
-    key, _, value = override.lstrip("+").partition("=")
-    return key in CONFIG_GROUPS and (value == "null" or not re.fullmatch(r"[A-Za-z_][\w.-]*", value))
+    """`group=value` for a config group (a folder of conf/) whose value is neither a name nor a list of
+    names (hydra's rule), e.g. `optim=3` or `data=null`."""
+    parsed = OverridesParser.create().parse_overrides([override])[0]
+    return parsed.key_or_group in CONFIG_GROUPS and not isinstance(parsed.value(), str | list)
 
 
 def one_line(e: HydraException) -> str:
@@ -91,11 +95,21 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
     through one rendezvous: refused, one torchrun per sweep point instead."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
+        refuse_a_launcher_without_a_sweep(list(hydra_cfg.overrides.hydra))
         return
     if launch.torchrun:
         raise ConfigError("hydra multirun (-m) cannot run under torchrun: run `python train.py -m "
                           "hydra/launcher=torchrun hydra.launcher.nproc_per_node=N ...`, one torchrun per sweep point")
     raw["dump_dir"] = f"{raw['dump_dir']}/{hydra_cfg.job.num}"
+
+
+def refuse_a_launcher_without_a_sweep(hydra_overrides: list[str]) -> None:
+    """hydra/launcher and its keys choose how a sweep launches its points; without -m hydra ignores them,
+    and a command meant to run N ranks per point would train as one process, on another global batch."""
+    given = [o for o in hydra_overrides if o.lstrip("+").startswith(("hydra/launcher", "hydra.launcher"))]
+    if given:
+        raise ConfigError(f"{given[0]} picks how a sweep (-m) launches its points; without -m it changes nothing and "
+                          "this would train as one process: add -m, or launch with torchrun")
 
 
 class Terminated(BaseException):

@@ -24,6 +24,8 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("foo=1",), ("Could not override 'foo'", "+foo=1")),  # hydra's errors are one line too
         (("model=nope",), ("model/nope", "small | tiny")),
         (("seq_len",), ("seq_len", "missing EQUAL")),
+        (("hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"),
+         ("hydra/launcher=torchrun picks how a sweep (-m) launches its points; without -m it changes nothing",)),
         (("~steps",), ("~steps: deleting a config key is not supported; set its value instead",)),
         (("data=null",), ("error: data=null: Config group override must be a string or a list",)),
         (("optim=3",), ("error: optim=3: Config group override must be a string or a list",)),
@@ -49,7 +51,7 @@ def test_hydra_writes_nothing_outside_dump_dir(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def checkpointed_run(tmp_path_factory):
+def two_step_checkpoint(tmp_path_factory):
     dump = tmp_path_factory.mktemp("ckpt") / "dump"
     train_ok(0, dump, *FAST, "steps=2", "checkpoint.freq=2")
     return dump
@@ -61,11 +63,11 @@ def _digests(folder):
 
 @pytest.mark.parametrize("damage, fragment", [("truncate", "is truncated"), ("flip", "is corrupt"),
                                               ("fingerprint", "fingerprint.json fails its sha256 check")])
-def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run, damage, fragment):
+def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, two_step_checkpoint, damage, fragment):
     """Named as damage, never as a changed run: a fingerprint.json altered in place (still valid JSON)
     must not read as another seed."""
     dump = tmp_path / "dump"
-    shutil.copytree(checkpointed_run, dump)
+    shutil.copytree(two_step_checkpoint, dump)
     step_dir = dump / "checkpoints" / "step_2"
     shard = next(step_dir.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -89,9 +91,9 @@ def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, checkpointed_run
     [("model.dim=128", ("would change the run", "model.dim 64 -> 128")),
      ("seed=1", ("would change the run", "seed 0 -> 1"))],
 )
-def test_checkpoint_of_another_run_is_refused(tmp_path, checkpointed_run, override, fragments):
+def test_checkpoint_of_another_run_is_refused(tmp_path, two_step_checkpoint, override, fragments):
     dump = tmp_path / "dump"
-    shutil.copytree(checkpointed_run, dump)
+    shutil.copytree(two_step_checkpoint, dump)
     proc = train(0, dump, *FAST, override, "steps=3", timeout=60)
     assert_one_error(proc, *fragments)
 
