@@ -154,16 +154,15 @@ def prepare_dataset(
     key = _cache_key(files, vocab_size, given)
     agree(key)
     paths = _CachePaths(Path(cache_dir), key)
-    if is_main_rank:
-        problem = None if paths.complete(given is not None) else write_problem(Path(cache_dir))
+    if paths.complete(given is not None):  # nothing is written: a complete cache may be on a read-only mount
+        if is_main_rank:
+            log(f"data: cached {paths.tokens}")
+    elif is_main_rank:
+        problem = write_problem(Path(cache_dir))
         if problem is not None:
             raise ConfigError(f"data.cache_dir={cache_dir} {problem} (the main rank builds the cache there)")
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)
-    if paths.complete(given is not None):
-        if is_main_rank:
-            log(f"data: cached {paths.tokens}")
-    elif is_main_rank:
         _build_or_mark_error(files, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)
