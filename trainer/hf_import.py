@@ -41,7 +41,7 @@ def run_tokenizer(data_tokenizer: str | None, init_from_hf: str | None) -> str |
 def read_hf_config(folder: Path) -> dict:
     try:
         config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{KEY}={folder}: no readable config.json ({e.__class__.__name__}: {e})")
     if not isinstance(config, dict):
         raise ConfigError(f"{KEY}={folder}: config.json holds a JSON {type(config).__name__}, not an object")
@@ -124,7 +124,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         raise ConfigError(f"{KEY}={folder}: neither model.safetensors nor {INDEX} is there")
     try:
         weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
         raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConfigError(f"{KEY}={folder}: {INDEX}'s weight_map is not an object of tensor name: file name")

@@ -121,6 +121,14 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     tiny_llama(tmp_path / "garbage")
     (tmp_path / "garbage" / "model.safetensors").write_bytes(b"\xff" * 64)
     cases["garbage"] = "model.safetensors is not a readable safetensors file"
+    tiny_llama(tmp_path / "deep")
+    (tmp_path / "deep" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    cases["deep"] = "no readable config.json (RecursionError"
+    for name, weight_map in (("list_map", ["model.safetensors"]), ("number_map", {"lm_head.weight": 3})):
+        tiny_llama(tmp_path / name)
+        (tmp_path / name / "model.safetensors").unlink()
+        (tmp_path / name / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        cases[name] = "model.safetensors.index.json's weight_map is not an object of tensor name: file name"
     for name, fragment in cases.items():
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")) as e:
             check_hf_folder(tmp_path / name, args)
