@@ -47,13 +47,13 @@ class TorchrunLauncher(Launcher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from scripts.launch_command import hydra_quoted, override_key
 
-        Path(str(self.config.hydra.sweep.dir)).resolve().mkdir(parents=True, exist_ok=True)
+        Path(str(self.config.hydra.sweep.dir)).expanduser().resolve().mkdir(parents=True, exist_ok=True)
         points = []
         for job, overrides in enumerate(job_overrides, initial_job_idx):
             overrides = list(filter_overrides(overrides))
             # As a sweep run in the hydra process: {the point's dump_dir}/{job}, relative to where hydra runs.
             point = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-            dump_dir = Path(str(point.dump_dir)).resolve() / str(job)
+            dump_dir = Path(str(point.dump_dir)).expanduser().resolve() / str(job)
             kept = [o for o in overrides if "=" not in o or override_key(o) != "dump_dir"]
             points.append((job, [*kept, f"dump_dir={hydra_quoted(str(dump_dir))}"]))
         if self.slurm is None:
