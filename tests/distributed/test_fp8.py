@@ -11,7 +11,7 @@ import torch
 
 from model.fp8 import INPUT, WEIGHT, fp8_gemms
 from parallel import comm
-from tests.distributed.pipeline_cases import SEQ, config, train
+from tests.distributed.pipeline_cases import SEQ, config, reference_of, train
 from tests.distributed.spawn import run_ranks
 
 # Every fp8 GEMM dimension a multiple of 16 under tp=2: head_dim 16, ffn hidden 96, 2 x 8 tokens.
@@ -24,10 +24,6 @@ def fp8_config(model: dict | None = None, **overrides):
     return config(model=FP8_MODEL | (model or {}), **(LAYOUT | overrides))
 
 
-def _losses(metrics) -> list[float]:
-    return [m.loss for m in metrics]
-
-
 def _scaling_state(trainer) -> torch.Tensor:
     gemms = fp8_gemms(trainer.chunks)
     return torch.cat([torch.cat([g.scale, g.amax_history.flatten(), g.scale_is_set.float()]) for g in gemms])
@@ -36,7 +32,7 @@ def _scaling_state(trainer) -> torch.Tensor:
 def _check_bf16_microbatches(world: int) -> None:
     """numerics_matrix.sh's row b in-process: tp2 x dp4 in bf16, four microbatches of one sequence,
     bitwise the same with optimize_backward_concat off and on."""
-    runs = [_losses(train(config(model=FP8_MODEL | {"use_fp8": False}, **LAYOUT | {
+    runs = [reference_of(train(config(model=FP8_MODEL | {"use_fp8": False}, **LAYOUT | {
         "compute_dtype": "bf16", "microbatch_size": 1, "optimize_backward_concat": concat, "steps": 2}), world)[1])
         for concat in (False, True)]
     assert runs[0] == runs[1], runs
@@ -54,8 +50,8 @@ def _check_fp8(rank: int, world: int) -> None:
     for a, b in zip(base, bf, strict=True):
         assert math.isclose(a.loss, b.loss, rel_tol=2e-2), (a.loss, b.loss)
         assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=GRAD_NORM_RTOL), (a.grad_norm, b.grad_norm)
-    assert _losses(again) == _losses(base)
-    assert _losses(concat) == _losses(base), (_losses(concat), _losses(base))
+    assert reference_of(again) == reference_of(base)
+    assert reference_of(concat) == reference_of(base), (reference_of(concat), reference_of(base))
 
     # Every rank (tp and dp) holds the same scales and histories, and they moved off their start.
     state = _scaling_state(trainer)
@@ -100,7 +96,7 @@ def _check_fp8_all_gather(world: int) -> None:
     variant = {"fp8_format": "e4m3", "fp8_wgrad": False}
     _, plain = train(fp8_config(model=variant), world)
     trainer, gathered = train(fp8_config(model=variant | {"fp8_all_gather": True, "layer_ckpt": "full"}), world)
-    assert _losses(gathered) == _losses(plain), (_losses(gathered), _losses(plain))
+    assert reference_of(gathered) == reference_of(plain), (reference_of(gathered), reference_of(plain))
 
     gathers_per_step = 2 * trainer.cfg.num_microbatches  # before each forward and each backward
     block_units = [u for root in trainer.roots for u in root.units if u.name.startswith("layers.")]

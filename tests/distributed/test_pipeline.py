@@ -9,7 +9,8 @@ from torch.autograd.profiler import profile
 
 from parallel import comm
 from tests.distributed.pipeline_cases import (
-    MODEL, SEQ, assert_matches, config, expected_p2p, make_trainer, read_references, train, write_references,
+    MODEL, SEQ, assert_matches, config, expected_p2p, make_trainer, read_references, reference_of, train,
+    write_references,
 )
 from tests.distributed.spawn import run_ranks
 
@@ -134,8 +135,8 @@ def _composition(rank: int, world: int, reference: dict) -> None:
         layout = dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule=schedule,
                       num_layers_per_virtual_pipeline_stage=per_stage, model={"sequence_parallel": True})
         # Two steps: the second step's loss already carries every gradient of the first.
-        bf16 = [[m.loss for m in train(config(**layout, compute_dtype="bf16", optimize_backward_concat=opt, steps=2),
-                                       world)[1]] for opt in (False, True)]
+        bf16 = [reference_of(train(config(**layout, compute_dtype="bf16", optimize_backward_concat=opt, steps=2),
+                                   world)[1]) for opt in (False, True)]
         assert bf16[0] == bf16[1], (schedule, bf16)
         _, fp32 = train(config(**layout, optimize_backward_concat=True), world)
         assert_matches(fp32, reference[8], f"tp2 pp2 dp2 {schedule}")
