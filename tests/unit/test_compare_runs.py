@@ -72,6 +72,20 @@ def test_plot_metrics_draws_several_runs(tmp_path):
     assert out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
 
 
+def test_plot_metrics_says_what_it_left_out_and_refuses_a_run_with_nothing_to_draw(tmp_path, capsys):
+    writing = _dump(tmp_path / "writing", [6.9, 6.1])
+    with (writing / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')  # a run still writing its next record
+    assert plot_metrics.main([str(writing), "--out", str(tmp_path / "a.png")]) == 0
+    assert "note: " in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert plot_metrics.main([str(writing), str(empty), "--out", str(tmp_path / "b.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "holds no records" in err[0], err
+
+
 def _write(folder: Path, records: list[dict]) -> Path:
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
