@@ -95,7 +95,6 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
     through one rendezvous: refused, one torchrun per sweep point instead."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        refuse_a_launcher_without_a_sweep(list(hydra_cfg.overrides.hydra))
         return
     if launch.torchrun:
         raise ConfigError("hydra multirun (-m) cannot run under torchrun: run `python train.py -m "
@@ -103,10 +102,13 @@ def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:
     raw["dump_dir"] = f"{raw['dump_dir']}/{hydra_cfg.job.num}"
 
 
-def refuse_a_launcher_without_a_sweep(hydra_overrides: list[str]) -> None:
+def refuse_a_launcher_without_a_sweep() -> None:
     """hydra/launcher and its keys choose how a sweep launches its points; without -m hydra ignores them,
     and a command meant to run N ranks per point would train as one process, on another global batch."""
-    given = [o for o in hydra_overrides if o.lstrip("+").startswith(("hydra/launcher", "hydra.launcher"))]
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return
+    given = [o for o in hydra_cfg.overrides.hydra if o.lstrip("+").startswith(("hydra/launcher", "hydra.launcher"))]
     if given:
         raise ConfigError(f"{given[0]} picks how a sweep (-m) launches its points; without -m it changes nothing and "
                           "this would train as one process: add -m, or launch with torchrun")
@@ -162,6 +164,7 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
     escapes and @record writes it, traceback and all, to the error file torchrun names."""
     try:
         values = resolved(raw)
+        refuse_a_launcher_without_a_sweep()
         sweep_job_dump_dir(values, launch)
         cfg = from_dict(values)
         run(cfg, launch, validate(cfg, launch.world_size))

@@ -11,7 +11,6 @@ so a corrupt or hostile checkpoint is an error line, not arbitrary code.
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -50,8 +49,9 @@ def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
 
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     """(N, path) of every step_N folder, complete or not, oldest first."""
-    return sorted((int(p.name[len(_STEP_PREFIX):]), p) for p in root.glob(f"{_STEP_PREFIX}*")
-                  if re.fullmatch("[0-9]+", p.name[len(_STEP_PREFIX):]))  # ASCII digits: isdigit() takes "²"
+    numbered = ((p.name[len(_STEP_PREFIX):], p) for p in root.glob(f"{_STEP_PREFIX}*"))
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    return sorted((int(n), p) for n, p in numbered if n.isascii() and n.isdigit())
 
 
 def refuse_damaged_newer(root: Path, after: int) -> None:
