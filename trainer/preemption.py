@@ -7,7 +7,8 @@ instead of being lost or killing the rank); after every step all ranks agree in 
 the world whether any of them got it (ranks receive a signal at slightly different times, and all must
 stop after the same step). The stopped job saves a checkpoint of that step, writes
 {dump_dir}/stopped.json (the step and the signal: what a batch script reads to requeue itself) and exits
-0. A job that starts removes an old stopped.json.
+0. A job removes an old stopped.json as soon as it owns the dump_dir, before anything can end it: a job
+that ends early (nothing left to train) must not leave one behind for its batch script to requeue on.
 """
 
 import json
@@ -20,6 +21,11 @@ from torch.distributed import ProcessGroup
 from parallel import comm
 
 STOPPED_FILE = "stopped.json"
+
+
+def forget_an_earlier_stop(dump_dir: Path) -> None:
+    """Remove the stopped.json an earlier job left (rank 0, once the dump_dir is this job's)."""
+    (dump_dir / STOPPED_FILE).unlink(missing_ok=True)
 
 
 class StopRequest:
@@ -36,13 +42,10 @@ class StopRequest:
 
 
 class StopOnSignal:
-    def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
-                 is_writer: bool):
+    def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path):
         """With `request.name` None: never stops, and no all-reduce."""
         self.request, self.group, self.device = request, group, device
         self.marker = dump_dir / STOPPED_FILE
-        if is_writer:
-            self.marker.unlink(missing_ok=True)
 
     def agreed(self) -> bool:
         """After a step, on every rank: did any rank get the signal? (One small all-reduce when enabled.)"""

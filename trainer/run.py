@@ -35,7 +35,7 @@ from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog, record_history_owner
 from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
-from trainer.preemption import StopOnSignal, StopRequest
+from trainer.preemption import StopOnSignal, StopRequest, forget_an_earlier_stop
 from trainer.parallelize import (
     DTYPE_NAMES, DTYPES, block_factory, build_chunks, cp_context, parallelize, tp_context,
 )
@@ -117,6 +117,8 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     dump_dir = Path(cfg.dump_dir)
     lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
                         comm.world())
+    if lock is not None:
+        forget_an_earlier_stop(dump_dir)
     try:
         _train_in(cfg, launch, mesh, device, dump_dir, stop_request)
     finally:
@@ -227,7 +229,7 @@ def _fit(
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
-    stop = StopOnSignal(stop_request, comm.world(), trainer.device, Path(cfg.dump_dir), is_writer=rank == 0)
+    stop = StopOnSignal(stop_request, comm.world(), trainer.device, Path(cfg.dump_dir))
     background = AsyncCheckpointer(ckpt_root, comm.world(), trainer.mesh.checkpoint_group, rank,
                                    cfg.checkpoint.keep, extra_files, log, trainer.device) \
         if cfg.checkpoint.async_save else None

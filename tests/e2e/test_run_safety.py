@@ -52,15 +52,19 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_second_job_on_a_busy_dump_dir_is_refused_and_the_first_finishes_untouched(tmp_path):
+    """The first job trains until told to stop (stop_signal), so the check does not race its end however
+    slowly the second job starts."""
     dump = tmp_path / "run"
-    first = start(2, dump, *FAST, "steps=80")
+    first = start(2, dump, *FAST, "steps=100000", "stop_signal=USR1")
     _wait_for_records(dump, first, 1)
-    began = time.time()
-    second = train(0, dump, *FAST, "steps=80", timeout=60)
+    second = train(0, dump, *FAST, "steps=100000", "stop_signal=USR1", timeout=60)
     assert_one_error(second, f"dump_dir={dump} is in use by job")
-    assert time.time() - began < 10 and first.poll() is None  # refused at once, not after the first ended
-    assert first.wait(timeout=300) == 0
-    assert [r["step"] for r in metrics(dump)] == list(range(1, 81))
+    assert first.poll() is None  # refused while the first trains, not after it ended
+    os.kill(max(_children(first.pid)), signal.SIGUSR1)
+    assert first.wait(timeout=120) == 0
+    stopped = json.loads((dump / "stopped.json").read_text())["step"]
+    assert [r["step"] for r in metrics(dump)] == list(range(1, stopped + 1))
+    assert (dump / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
     assert not (dump / ".lock").exists()
 
 
@@ -185,6 +189,19 @@ def test_allowed_change_resumes(tmp_path, checkpointed):
     records = train_ok(0, dump, *FAST, "steps=6", "optim.decay_steps=8", "optim.lr=1e-2",
                        "resume.allow_changed=[optim.lr]")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_job_with_nothing_left_to_train_clears_an_earlier_stop(tmp_path, checkpointed):
+    """A stopped.json left by an earlier job would make the batch script requeue this one, which ends at
+    once, again and again."""
+    dump = _copy(checkpointed, tmp_path)
+    (dump / "stopped.json").write_text('{"step": 4, "signal": "SIGUSR1"}')
+    before = (dump / "metrics.jsonl").read_bytes()
+    proc = train(0, dump, *FAST, "steps=4", "optim.decay_steps=8", "checkpoint.freq=2", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: the newest checkpoint is step 4 = steps" in proc.stdout + proc.stderr
+    assert not (dump / "stopped.json").exists()
+    assert (dump / "metrics.jsonl").read_bytes() == before
 
 
 def test_extending_steps_keeps_the_schedule_or_is_refused(tmp_path, checkpointed):
