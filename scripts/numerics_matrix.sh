@@ -14,9 +14,10 @@ cd "$(dirname "$0")/.."
 OUT=dump/numerics_matrix
 ONLY=""
 SIZE=(model=tiny model.n_layers=4 seq_len=32 steps=3 optim.warmup_steps=1 log_all_steps=true)
+LAYERS_PER_VIRTUAL_STAGE=1  # row (e): n_layers / (pp=2 x vpp=2)
 while [ $# -gt 0 ]; do
   case "$1" in
-    --gpu) SIZE=(model=small seq_len=1024 steps=20 log_all_steps=true); shift ;;
+    --gpu) SIZE=(model=small seq_len=1024 steps=20 log_all_steps=true); LAYERS_PER_VIRTUAL_STAGE=2; shift ;;
     --out|--rows)
       [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }
       if [ "$1" = --out ]; then OUT="$2"; else ONLY=",$2,"; fi
@@ -34,7 +35,7 @@ ROWS=(
   "b tp2 dp4 bf16 microbatches|model_parallel_size=2 batch_size=4 microbatch_size=1 compute_dtype=bf16"
   "c tp2 pp2 dp2 bf16 gpipe|${TP2PP2DP2[*]} pipeline_schedule=gpipe compute_dtype=bf16"
   "d tp2 pp2 dp2 bf16 1f1b|${TP2PP2DP2[*]} pipeline_schedule=1f1b compute_dtype=bf16"
-  "e tp2 pp2 dp2 bf16 interleaved vpp=2|${TP2PP2DP2[*]} pipeline_schedule=interleaved_1f1b num_layers_per_virtual_pipeline_stage=1 compute_dtype=bf16"
+  "e tp2 pp2 dp2 bf16 interleaved vpp=2|${TP2PP2DP2[*]} pipeline_schedule=interleaved_1f1b num_layers_per_virtual_pipeline_stage=$LAYERS_PER_VIRTUAL_STAGE compute_dtype=bf16"
 )
 
 if [ -n "$ONLY" ]; then

@@ -2,7 +2,7 @@
 
 With `dump_profile_traces=true` each rank writes a Chrome/Perfetto trace to
 {dump_dir}/profile_traces/step_N/rank{R}.json; otherwise rank 0 prints the step's top operators.
-Communication shows up as named ranges ("all_gather dp_shard layers.3", "send_recv pp r1 SEND_F c0 m3
+Communication shows up as named ranges ("all_gather dp_shard_cp layers.3", "send_recv pp r1 SEND_F c0 m3
 -> r2", "wait recv ..."), pipeline compute as "r1 F c0 m3" (parallel/comm.py, the pipeline runtime).
 """
 

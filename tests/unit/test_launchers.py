@@ -107,3 +107,19 @@ def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path):
 
     executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu")
     assert executor._executor.max_num_timeout == MAX_TIME_LIMITS >= 1000
+
+
+def test_a_slurm_sweep_runs_one_rank_per_gpu_unless_told_otherwise():
+    """As scripts/launch.py and train.sbatch: a sweep asking for 8 GPUs per node must not train on one."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    def launcher(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            cfg = compose(config_name="config", overrides=["hydra/launcher=torchrun_slurm", *overrides],
+                          return_hydra_config=True)
+        return instantiate(cfg.hydra.launcher)
+
+    assert launcher("hydra.launcher.slurm.gpus_per_node=8").nproc_per_node == 8
+    assert launcher().nproc_per_node == 1
+    assert launcher("hydra.launcher.slurm.gpus_per_node=8", "hydra.launcher.nproc_per_node=2").nproc_per_node == 2
