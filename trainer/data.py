@@ -12,6 +12,7 @@ import os
 import sysconfig
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -53,27 +54,43 @@ def default_corpus_files() -> list[Path]:
 
 def resolve_source_files(source: str | None) -> list[Path]:
     """`data.source` -> the sorted list of files to train on (None or "stdlib": the default corpus)."""
+    return list_source(source)[0]
+
+
+def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
+    """`data.source` -> (the sorted files to train on, the visible files under it left out for their
+    suffix)."""
     if source is None or source == "stdlib":
-        return default_corpus_files()
+        return default_corpus_files(), []
     root = Path(source).expanduser()
     if not root.exists():
         broken = root.is_symlink()  # exists() follows links: a dangling or looping link reads as absent
         raise ConfigError(f"data.source={source} {'is a link that leads nowhere' if broken else 'does not exist'}")
     if root.is_file():
         _check_text_file(root, source)
-        return [root]
+        return [root], []
     if not root.is_dir():
         raise ConfigError(f"data.source={source} is neither a file nor a folder (a pipe, socket or device)")
-    files = [path for path in _visible_files_under(root) if path.suffix in SOURCE_SUFFIXES and path.is_file()]
+    visible = [path for path in _visible_files_under(root) if path.is_file()]
+    files = [path for path in visible if _is_source_suffix(path)]
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
-    return sorted(files, key=lambda path: str(path.relative_to(root)))
+    by_name = partial(_relative_name, root)
+    return sorted(files, key=by_name), sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+
+
+def _is_source_suffix(path: Path) -> bool:
+    return path.suffix.lower() in SOURCE_SUFFIXES  # NOTES.TXT is text as notes.txt is
+
+
+def _relative_name(root: Path, path: Path) -> str:
+    return str(path.relative_to(root))
 
 
 def _check_text_file(path: Path, source: str) -> None:
     """A file named on its own is checked on every rank before anything else; a folder's files are
     filtered by suffix here and checked as the main rank reads them (tokenizer.iter_documents)."""
-    if path.suffix not in SOURCE_SUFFIXES:
+    if not _is_source_suffix(path):
         raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
     reason = not_text_reason(path)
     if reason is not None:
@@ -83,7 +100,8 @@ def _check_text_file(path: Path, source: str) -> None:
 def _visible_files_under(root: Path) -> list[Path]:
     """Every file under `root` outside hidden folders (.git, .venv, .cache hold tooling, not training
     text), following symlinked folders as a corpus assembled from links needs; each real folder is
-    read once, so a link loop ends."""
+    read once, so a link loop ends, under the first of its names in sorted order (the walk visits
+    subfolders sorted, so the names, and the document order, do not depend on the filesystem)."""
     seen, files = set(), []
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -91,7 +109,7 @@ def _visible_files_under(root: Path) -> list[Path]:
             subfolders[:] = []
             continue
         seen.add(real)
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
         files.extend(Path(folder) / name for name in names if not name.startswith("."))
     return files
 
@@ -149,7 +167,7 @@ def prepare_dataset(
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker.
     """
-    files = resolve_source_files(source)
+    files, left_out = list_source(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
     key = _cache_key(files, vocab_size, given)
     agree(key)
@@ -163,6 +181,9 @@ def prepare_dataset(
             raise ConfigError(f"data.cache_dir={cache_dir} {problem} (the main rank builds the cache there)")
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)
+        if left_out:
+            log(f"data: {len(left_out)} files under data.source={source} are not {'/'.join(SOURCE_SUFFIXES)} and "
+                f"are left out, e.g. {left_out[0]}")
         _build_or_mark_error(files, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)

@@ -29,23 +29,35 @@ PROGRESS_STEP = 0.05
 PROGRESS_MIN_INTERVAL_S = 1.0
 
 
-_SAMPLE_BYTES = 4096  # a page at each end: every rank reads it for every file at every start
+_SAMPLE_BYTES = 4096
+# Pages read per file (every rank, every start): a file up to this many pages is hashed whole.
+_SAMPLE_PAGES = 16
 
 
 def sources_fingerprint(text_files: list[Path]) -> str:
-    """Cheap fingerprint of the corpus: absolute path, size, mtime, and the first and last 4 KiB of
-    every file. The sampled bytes catch a file replaced by another of the same size with its mtime
-    kept (`cp -p`, `rsync -t`, an archive of another version), which size and mtime alone miss."""
+    """Cheap fingerprint of the corpus: absolute path, size, mtime and content of every file, whole up
+    to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
+    a file replaced by another of the same size with its mtime kept (`cp -p`, `rsync -t`, an archive of
+    another version), which size and mtime alone miss; in a larger file, a same-size edit between the
+    pages with the mtime kept is not seen (remove the cache folder to re-pack)."""
     digest = hashlib.sha256()
     for path in text_files:
         stat = path.stat()
         digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         with open(path, "rb") as f:
-            digest.update(f.read(_SAMPLE_BYTES))
-            if stat.st_size > _SAMPLE_BYTES:
-                f.seek(max(_SAMPLE_BYTES, stat.st_size - _SAMPLE_BYTES))
+            for offset in _sample_offsets(stat.st_size):
+                f.seek(offset)
                 digest.update(f.read(_SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def _sample_offsets(size: int) -> list[int]:
+    """Start of each sampled page: every page of a small file, else evenly spaced, first and last included."""
+    pages = -(-size // _SAMPLE_BYTES)
+    if pages <= _SAMPLE_PAGES:
+        return [i * _SAMPLE_BYTES for i in range(pages)]
+    last = size - _SAMPLE_BYTES
+    return [last * i // (_SAMPLE_PAGES - 1) for i in range(_SAMPLE_PAGES)]
 
 
 def file_sha256(path: Path) -> str:

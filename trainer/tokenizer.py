@@ -102,7 +102,7 @@ def iter_documents(path: Path) -> Iterator[str]:
     reason = not_text_reason(path)
     if reason is not None:
         raise ConfigError(f"data.source file {path} {reason}")
-    if path.suffix != ".jsonl":
+    if path.suffix.lower() != ".jsonl":
         with path.open(encoding="utf-8", errors="replace", newline="") as f:
             text = f.read()
         if text:

@@ -1,0 +1,76 @@
+"""Which files data.source trains on, in which order, and when a changed file rebuilds the cache."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from trainer import data
+from trainer.data import list_source, prepare_dataset
+from trainer.token_shards import sources_fingerprint
+from trainer.tokenizer import iter_documents
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_before_building(*args: object) -> None:
+    raise _Stop
+
+
+def _edit_keeping_size_and_mtime(path: Path, offset: int) -> None:
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] = ord("b")
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # what cp -p or rsync -t keep
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+@pytest.mark.parametrize("size, offset", [
+    (150_000, 0), (150_000, 150_000 - 10),  # a large file's first and last pages
+    (150_000, (150_000 - 4096) * 7 // 15 + 100),  # one of the pages spread between them
+    (60_000, 30_001),  # a file up to 64 KiB is hashed whole: any byte
+])
+def test_a_file_replaced_with_same_size_and_mtime_changes_the_cache_key(tmp_path: Path, size: int,
+                                                                         offset: int) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"a" * size)
+    before = sources_fingerprint([path])
+    _edit_keeping_size_and_mtime(path, offset)
+    assert sources_fingerprint([path]) != before
+
+
+def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("alpha")
+    (root / "B.TXT").write_text("beta")
+    (root / "README.Md").write_text("gamma")
+    (root / "x.JSONL").write_text('{"text": "delta"}\n')
+    (root / "model.bin").write_bytes(b"\x00")
+    (root / ".hidden.txt").write_text("tooling")
+    files, left_out = list_source(str(root))
+    assert [p.name for p in files] == ["B.TXT", "README.Md", "a.txt", "x.JSONL"]
+    assert [p.name for p in left_out] == ["model.bin"]
+    assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
+    logs: list[str] = []
+    monkeypatch.setattr(data, "_build_or_mark_error", _stop_before_building)
+    with pytest.raises(_Stop):
+        prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
+    assert f"data: 1 files under data.source={root} are not .txt/.jsonl/.md/.py and are left out, e.g. " \
+           f"{root / 'model.bin'}" in logs
+
+
+def test_a_folder_reached_under_two_names_is_read_under_the_first_in_sorted_order(tmp_path: Path) -> None:
+    """Whatever order the filesystem lists them in, the name kept (and so the document order) is the
+    same everywhere."""
+    root = tmp_path / "corpus"
+    (root / "m_real").mkdir(parents=True)
+    (root / "m_real" / "doc.txt").write_text("doc")
+    (root / "z_link").symlink_to(root / "m_real")
+    (root / "a_link").symlink_to(root / "m_real")
+    (root / "n.txt").write_text("n")
+    files, _ = list_source(str(root))
+    assert [p.relative_to(root).as_posix() for p in files] == ["a_link/doc.txt", "n.txt"]
