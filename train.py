@@ -14,14 +14,14 @@ from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.mesh import LaunchEnv
-from trainer.config import from_dict
+from trainer.config import from_dict, unknown_key
 from trainer.run import run
 from trainer.validate import validate
 
@@ -48,10 +48,21 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             compose(config_name="config", overrides=overrides)
     except HydraException as e:
-        exit_on_bad_input(one_line(e), launch, code=2)
+        unknown = unknown_override_key(e)
+        exit_on_bad_input(unknown_key(unknown) if unknown else one_line(e), launch, code=2)
     except ValueError as e:  # hydra's own wording for e.g. `data=null` or `optim=3`, without the override
         offending = [o for o in overrides if is_bad_group_choice(o)] or overrides
         exit_on_bad_input(f"{' '.join(offending)}: {e}", launch, code=2)
+
+
+def unknown_override_key(e: HydraException) -> str | None:
+    """`optim.lrr=1e-3`: the trainer's key that hydra could not override because it does not exist.
+    Hydra suggests adding it with `+`, which the trainer then refuses as unknown: say so at once."""
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if not (isinstance(cause, ConfigAttributeError) and str(e).startswith("Could not override") and key):
+        return None
+    return None if key.startswith("hydra.") else key
 
 
 def is_bad_group_choice(override: str) -> bool:

@@ -6,6 +6,7 @@ are rejected when set away from their defaults, never silently ignored.
 """
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -185,12 +186,29 @@ def from_dict(raw: dict[str, Any]) -> TrainConfig:
     return _build(TrainConfig, raw, prefix="")
 
 
+def unknown_key(key: str) -> str:
+    """The error for a key TrainConfig does not have, with the nearest known one (a typo, mostly)."""
+    close = difflib.get_close_matches(key, _known_keys(TrainConfig, ""), n=1)
+    return f"{key} is not a known config key" + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def _known_keys(cls: type, prefix: str) -> list[str]:
+    hints = get_type_hints(cls)
+    keys = []
+    for f in fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _known_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     for key in raw:
         if key not in known:
-            raise ConfigError(f"{prefix}{key} is not a known config key")
+            raise ConfigError(unknown_key(f"{prefix}{key}"))
     values = {}
     for name in known & raw.keys():
         hint, value = hints[name], raw[name]

@@ -107,6 +107,7 @@ def test_llama3_8b_dimensions():
         (["comm_timeout_s=1e15"], 1, "comm_timeout_s=1000000000000000.0 must be in [1, 604800] seconds"),
         (["comm_timeout_s=0.001"], 1, "comm_timeout_s=0.001 must be in [1, 604800] seconds"),
         (["model.vocab_size=100000000000"], 1, "model.vocab_size=100000000000 must be <= 2147483647"),
+        (["model.vocab_size=100"], 1, "model.vocab_size=100 must be >= 260 (the tokenizer trained on data.source"),
         (["optim.lr=1e308"], 1, "optim.lr=1e+308 must be <= 3.403e+38 (it is used in fp32)"),
         (["checkpoint.init_from_hf="], 1, "checkpoint.init_from_hf is an empty string (use null to leave it unset)"),
         (["model.name="], 1, "model.name is an empty string (it needs a value)"),
@@ -173,8 +174,10 @@ def test_te_layers_refuse_what_they_cannot_combine_with_on_any_machine(overrides
 def test_wrong_types_and_unknown_keys():
     with pytest.raises(ConfigError, match="seed='x' must be int"):
         from_dict({"seed": "x"})
-    with pytest.raises(ConfigError, match="optim.betas is not a known config key"):
-        from_dict({"optim": {"betas": 1}})
+    with pytest.raises(ConfigError, match=r"^optim.lrr is not a known config key \(did you mean optim.lr\?\)$"):
+        from_dict({"optim": {"lrr": 1}})
+    with pytest.raises(ConfigError, match=r"^qqqq is not a known config key$"):
+        from_dict({"qqqq": 1})
 
 
 def test_dump_dir_expands_home_as_the_shell_would():
