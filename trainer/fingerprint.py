@@ -106,8 +106,9 @@ def write_fingerprint(folder: Path, fingerprint: dict[str, Any]) -> Path:
     return path
 
 
-def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str]) -> None:
-    """Refuse, in one line, a resume that would silently change the run."""
+def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str]) -> list[str]:
+    """Refuse, in one line, a resume that would silently change the run; returns the changes
+    `allowed` lets through ("optim.lr 0.003 -> 0.001"), for the log."""
     try:
         saved = json.loads((checkpoint / FINGERPRINT_FILE).read_text())
         if not isinstance(saved, dict):
@@ -124,9 +125,10 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
         current = {key: value for key, value in current.items() if key not in _FP8_DETAILS}
     # The fp8 format may change only where no saved scales carry over.
     refused = {"model.fp8_format"} if fp8_state_carries_over else set()
-    changed = [key for key in current if saved.get(key) != current[key] and (key not in allowed or key in refused)]
+    differs = [key for key in current if saved.get(key) != current[key]]
+    changed = [key for key in differs if key not in allowed or key in refused]
     if not changed:
-        return
+        return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in differs]
     parts = []
     for key in changed:
         hint = _FORMAT_HINT if key in refused else _HINTS.get(key, "").format(old=saved.get(key))

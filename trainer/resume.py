@@ -60,8 +60,9 @@ def resume(
             raise CheckpointError(f"{e}; to resume from the previous complete checkpoint {previous.name}, move "
                                   f"{path.name} out of {path.parent} (keep it: it may be repairable)")
         _check_steps(cfg, path)
-        check_resumable(path, fingerprint, cfg.resume.allow_changed)
+        changes = check_resumable(path, fingerprint, cfg.resume.allow_changed)
         step = load_into(path, state(), rng, sampler, group)
-        log(f"resumed from {path} (step {step})")
+        log(f"resumed from {path} (step {step})" + (
+            f"; changed as resume.allow_changed permits: {', '.join(changes)}" if changes else ""))
     check_history(dump_dir, step, job)
     return step

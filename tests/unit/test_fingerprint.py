@@ -28,7 +28,9 @@ def test_kernel_switches_are_named_and_allowable(tmp_path):
         check_resumable(saved, _fingerprint(efficient_attn="math"), allowed=[])
     assert "model.efficient_attn 'sdpa' -> 'math'" in str(err.value)
     assert "resume.allow_changed=[model.efficient_attn]" in str(err.value)
-    check_resumable(saved, _fingerprint(use_te_layers=True), allowed=["model.use_te_layers"])
+    assert check_resumable(saved, _fingerprint(use_te_layers=True), allowed=["model.use_te_layers"]) == [
+        "model.use_te_layers False -> True"]  # what the resume logs
+    assert check_resumable(saved, _fingerprint(), allowed=["model.use_te_layers"]) == []
 
 
 def test_a_changed_global_batch_says_how_to_keep_it(tmp_path):
