@@ -257,6 +257,12 @@ def field_list(text: str) -> tuple[str, ...]:
     return fields
 
 
+def run_folder(text: str) -> Path:
+    """A dump_dir, or its metrics.jsonl (what tab completion often gives)."""
+    path = Path(text)
+    return path.parent if path.name == "metrics.jsonl" and path.is_file() else path
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """One folder given twice, through another path, a symlink or a hard link."""
     try:
@@ -267,8 +273,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dump_a", type=Path)
-    parser.add_argument("dump_b", type=Path)
+    parser.add_argument("dump_a", type=run_folder)
+    parser.add_argument("dump_b", type=run_folder)
     parser.add_argument("--rtol", type=tolerance, default=0.0, help="relative tolerance (default 0: bitwise)")
     parser.add_argument("--fields", type=field_list, default=FIELDS, help=f"what to compare (default {','.join(FIELDS)})")
     parser.add_argument("--plot", help="write a PNG of both loss curves and their difference")
@@ -280,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UnreadableMetrics(f"{opts.dump_a} and {opts.dump_b} hold the same metrics file: a run compared with "
                                     "itself proves nothing")
         a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
-        rows, verdict, agree = compare(a, b, opts.rtol, opts.fields)
+        fields = opts.fields
+        if fields is FIELDS and not any("eval_loss" in r for r in [*a.values(), *b.values()]):
+            fields = tuple(f for f in FIELDS if f != "eval_loss")  # neither run evaluated: no empty column
+        rows, verdict, agree = compare(a, b, opts.rtol, fields)
     except UnreadableMetrics as e:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.brief:
         print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")
     else:
-        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>14} {'rel':>9}" for f in opts.fields))
+        print(f"{'step':>6} | " + " | ".join(f"{f + ' A':>22} {f + ' B':>22} {'diff':>14} {'rel':>9}" for f in fields))
         print("\n".join(rows))
         print(verdict)
     if opts.plot:

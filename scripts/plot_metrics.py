@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.compare_runs import UnreadableMetrics, read_metrics  # noqa: E402
+from scripts.compare_runs import UnreadableMetrics, read_metrics, run_folder  # noqa: E402
 
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mem_peak_gib", "peak memory (GiB)"), ("lr", "learning rate"))
 
@@ -45,7 +45,7 @@ def plot(dumps: list[Path], out: str, notes: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dumps", type=Path, nargs="+")
+    parser.add_argument("dumps", type=run_folder, nargs="+")
     parser.add_argument("--out", required=True)
     opts = parser.parse_args(argv)
     notes: list[str] = []

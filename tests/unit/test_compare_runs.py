@@ -38,6 +38,18 @@ def test_one_ulp_in_one_step_is_caught_and_equality_reported(tmp_path, capsys):
     assert compare_runs.main([str(a), str(b), "--rtol", "1e-12"]) == 0  # within tolerance
 
 
+def test_metrics_files_may_stand_for_their_runs_and_an_eval_column_needs_an_eval(tmp_path, capsys):
+    a, b = _dump(tmp_path / "a", [6.9, 6.1]), _dump(tmp_path / "b", [6.9, 6.0])
+    assert compare_runs.main([str(a / "metrics.jsonl"), str(b / "metrics.jsonl")]) == 1
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "loss A" in header and "grad_norm A" in header and "eval_loss" not in header  # neither evaluated
+    evaluated = _dump(tmp_path / "c", [6.9, 6.1], eval_every=2)
+    assert compare_runs.main([str(a), str(evaluated)]) == 1  # step 2's eval_loss: logged by one run only
+    assert "eval_loss A" in capsys.readouterr().out.splitlines()[0]
+    plot_metrics.main([str(a / "metrics.jsonl"), "--out", str(tmp_path / "one.png")])
+    assert (tmp_path / "one.png").read_bytes()[:8] == PNG
+
+
 def test_steps_logged_by_one_run_only_are_a_difference(tmp_path, capsys):
     a = _dump(tmp_path / "a", [6.9, 6.1, 5.4])
     b = _dump(tmp_path / "b", [6.9, 6.1])
@@ -137,7 +149,7 @@ def test_misuse_that_would_prove_nothing_exits_2(tmp_path, capsys):
     skipped = [{"step": s, "loss": None, "grad_norm": None} for s in (1, 2)]
     cases = ((a, tmp_path / "a" / ".", "same metrics file"), (a, linked, "same metrics file"),
              (no_values, _write(tmp_path / "nolosses2", [{"step": 1}, {"step": 2}]),
-              "no loss, grad_norm, eval_loss values to compare"), (a, empty, "holds no records"),
+              "no loss, grad_norm values to compare"), (a, empty, "holds no records"),
              (a, binary, "is not a readable metrics file"), (a, later, "no step in common"),
              (_write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped), "all 4 compared values are non-finite"))
     for first, second, fragment in cases:
