@@ -28,14 +28,15 @@ from trainer.token_shards import (
     sources_fingerprint,
     write_packed_tokens,
 )
-from trainer.tokenizer import Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
+from trainer.tokenizer import MIN_VOCAB_SIZE, Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 # Bump when the cache layout or packing format changes, so old caches are not reused.
 # 2: meta.json records the packed tokens' sha256; documents are packed byte-exact, empty ones dropped.
-CACHE_VERSION = 2
+# 3: the sources' fingerprint reads small files whole and 16 pages of larger ones; suffixes in any case.
+CACHE_VERSION = 3
 # A waiting rank trusts an error marker older than itself only once it outlives this grace period:
 # a live main rank deletes stale markers as it starts, a main rank that already failed does not.
 STALE_MARKER_GRACE_S = 10.0
@@ -167,6 +168,9 @@ def prepare_dataset(
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker.
     """
+    if tokenizer_path is None and vocab_size < MIN_VOCAB_SIZE:  # said now, not after the source is read
+        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (the tokenizer trained on "
+                          f"data.source has 256 byte pieces and the special ones)")
     files, left_out = list_source(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
     key = _cache_key(files, vocab_size, given)
@@ -182,8 +186,8 @@ def prepare_dataset(
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)
         if left_out:
-            log(f"data: {len(left_out)} files under data.source={source} are not {'/'.join(SOURCE_SUFFIXES)} and "
-                f"are left out, e.g. {left_out[0]}")
+            log(f"data: left out {len(left_out)} file(s) under data.source={source} that are not "
+                f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
         _build_or_mark_error(files, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)

@@ -39,7 +39,7 @@ def sources_fingerprint(text_files: list[Path]) -> str:
     to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
     a file replaced by another of the same size with its mtime kept (`cp -p`, `rsync -t`, an archive of
     another version), which size and mtime alone miss; in a larger file, a same-size edit between the
-    pages with the mtime kept is not seen (remove the cache folder to re-pack)."""
+    pages with the mtime kept is not seen (remove its tokens-* and tokenizer-* folders to re-pack)."""
     digest = hashlib.sha256()
     for path in text_files:
         stat = path.stat()

@@ -19,7 +19,6 @@ from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder, run_tokenizer
-from trainer.tokenizer import MIN_VOCAB_SIZE
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -104,10 +103,6 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"comm_timeout_s={cfg.comm_timeout_s} must be in [{low:g}, {high:g}] seconds")
     if cfg.model.vocab_size > VOCAB_MAX:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be <= {VOCAB_MAX}")
-    trains_a_tokenizer = cfg.data.tokenizer is None and not cfg.checkpoint.init_from_hf
-    if trains_a_tokenizer and cfg.model.vocab_size < MIN_VOCAB_SIZE:  # found now, not after the data is read
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= {MIN_VOCAB_SIZE} (the tokenizer trained "
-                          f"on data.source has 256 byte pieces and the special ones)")
     for key in ("optim.lr", "optim.eps", "optim.weight_decay", "optim.clip_grad_norm"):
         if get_key(cfg, key) > FP32_MAX:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be <= {FP32_MAX:.4g} (it is used in fp32)")

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import data
+from parallel.errors import ConfigError
+from trainer import data as data_module
 from trainer.data import list_source, prepare_dataset
 from trainer.token_shards import sources_fingerprint
 from trainer.tokenizer import iter_documents
@@ -56,10 +57,10 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
     assert [p.name for p in left_out] == ["model.bin"]
     assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
     logs: list[str] = []
-    monkeypatch.setattr(data, "_build_or_mark_error", _stop_before_building)
+    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
     with pytest.raises(_Stop):
         prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
-    assert f"data: 1 files under data.source={root} are not .txt/.jsonl/.md/.py and are left out, e.g. " \
+    assert f"data: left out 1 file(s) under data.source={root} that are not .txt/.jsonl/.md/.py, e.g. " \
            f"{root / 'model.bin'}" in logs
 
 
@@ -74,3 +75,11 @@ def test_a_folder_reached_under_two_names_is_read_under_the_first_in_sorted_orde
     (root / "n.txt").write_text("n")
     files, _ = list_source(str(root))
     assert [p.relative_to(root).as_posix() for p in files] == ["a_link/doc.txt", "n.txt"]
+
+
+def test_a_vocabulary_too_small_for_a_trained_tokenizer_is_refused_before_the_source_is_read(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha")
+    logs: list[str] = []
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=100 must be >= 260 \(the tokenizer trained on data.source"):
+        prepare_dataset(str(tmp_path), None, 100, tmp_path / "cache", True, logs.append)
+    assert logs == [] and not (tmp_path / "cache").exists()
