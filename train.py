@@ -1,6 +1,7 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -14,7 +15,7 @@ from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -56,12 +57,13 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
 
 
 def unknown_override_key(e: HydraException) -> str | None:
-    """`optim.lrr=1e-3`: the trainer's key that hydra could not override because it does not exist.
-    Hydra suggests adding it with `+`, which the trainer then refuses as unknown: say so at once."""
-    cause = e.__cause__
-    key = getattr(cause, "full_key", None)
-    if not (isinstance(cause, ConfigAttributeError) and str(e).startswith("Could not override") and key):
+    """`optim.lrr=1e-3`, `optimm.lr=1e-3`: the trainer's key that hydra could not override because it
+    does not exist. Hydra suggests adding it with `+`, which the trainer then refuses as unknown: say so
+    at once."""
+    named = re.match(r"Could not override '([^']+)'", str(e))
+    if named is None or not isinstance(e.__cause__, ConfigAttributeError | ConfigKeyError):
         return None
+    key = named.group(1)
     return None if key.startswith("hydra.") else key
 
 

@@ -21,7 +21,7 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("data.source=/no/such/corpus",), ("data.source=/no/such/corpus", "does not exist")),
         (("steps=many",), ("steps='many'", "int")),
         (("eval.freq=2", "eval.steps=100000"), ("eval.steps=100000", "held-out sequences", "data.held_out_fraction")),
-        (("optim.lrr=1e-3",), ("error: optim.lrr is not a known config key (did you mean optim.lr?)",)),
+        (("optimm.lr=1e-3",), ("error: optimm.lr is not a known config key (did you mean optim.lr?)",)),
         (("hydra.job.nme=x",), ("Could not override 'hydra.job.nme'", "+hydra.job.nme=x")),  # hydra's, in one line
         (("model=nope",), ("model/nope", "small | tiny")),
         (("seq_len",), ("seq_len", "missing EQUAL")),
