@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
-from scripts.launch_command import dump_dir_of, free_port, positive_int, rendezvous_port, torchrun_args  # noqa: E402
+from scripts.launch_command import (  # noqa: E402
+    dump_dir_of, free_port, positive_int, ranks_per_node, rendezvous_port, torchrun_args,
+)
 
 
 class TrainOnNode:
@@ -108,7 +110,7 @@ def main() -> None:
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts when a worker dies")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
-    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else max(opts.gpus_per_node, 1)
+    nproc = ranks_per_node(opts.nproc_per_node, opts.gpus_per_node)
     if opts.local:
         argv = torchrun_args(1, nproc, f"localhost:{free_port()}", f"local-{uuid.uuid4().hex[:8]}", opts.overrides,
                              "dump/local", sys.executable, max_restarts=opts.max_restarts)

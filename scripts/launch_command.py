@@ -25,6 +25,11 @@ def rendezvous_port(job_id: str | int) -> int:
     return 29500 + int(job_id) % 3000
 
 
+def ranks_per_node(nproc_per_node: int | None, gpus_per_node: int | None) -> int:
+    """Ranks per node: as given, else one per GPU, else 1 (the batch script's rule too)."""
+    return nproc_per_node if nproc_per_node is not None else max(gpus_per_node or 0, 1)
+
+
 def positive_int(text: str) -> int:
     """argparse type of node and rank counts."""
     value = int(text)

@@ -35,8 +35,9 @@ class TorchrunLauncher(Launcher):
     """One torchrun job per sweep point: here, one after another, or on Slurm (`slurm` set)."""
 
     def __init__(self, nproc_per_node: int | None, slurm: DictConfig | None = None) -> None:
-        if nproc_per_node is None:  # one rank per GPU, as scripts/launch.py and train.sbatch do
-            nproc_per_node = max(int(slurm.gpus_per_node), 1) if slurm is not None else 1
+        from scripts.launch_command import ranks_per_node
+
+        nproc_per_node = ranks_per_node(nproc_per_node, slurm.gpus_per_node if slurm is not None else None)
         if int(nproc_per_node) < 1:
             raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node} must be at least 1")
         self.nproc_per_node, self.slurm = int(nproc_per_node), slurm

@@ -123,3 +123,4 @@ def test_a_slurm_sweep_runs_one_rank_per_gpu_unless_told_otherwise():
     assert launcher("hydra.launcher.slurm.gpus_per_node=8").nproc_per_node == 8
     assert launcher().nproc_per_node == 1
     assert launcher("hydra.launcher.slurm.gpus_per_node=8", "hydra.launcher.nproc_per_node=2").nproc_per_node == 2
+    assert launcher("hydra.launcher.slurm.gpus_per_node=null").nproc_per_node == 1
