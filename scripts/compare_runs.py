@@ -4,7 +4,8 @@ one verdict.
 
     python scripts/compare_runs.py DUMP_A DUMP_B [--rtol R] [--fields loss,grad_norm] [--plot out.png] [--brief]
 
-Reads `metrics.jsonl` of both dump_dirs. Exit code 0 when every common step's loss, grad norm and eval
+Reads `metrics.jsonl` of both dump_dirs (a path to the file itself names its folder); eval losses only
+where a run evaluated. Exit code 0 when every common step's loss, grad norm and eval
 loss (or the --fields given) agree within --rtol (default 0: bit for bit) and both runs logged the same
 steps and fields, 1 otherwise, 2 when there is no verdict to trust (unreadable metrics, one metrics file
 given twice, no step in common, no value to compare, every value non-finite in both runs). A non-finite
@@ -257,10 +258,16 @@ def field_list(text: str) -> tuple[str, ...]:
     return fields
 
 
+def default_fields(a: dict[int, dict], b: dict[int, dict]) -> tuple[str, ...]:
+    """Every field, less eval_loss when neither run evaluated (an empty column)."""
+    evaluated = any("eval_loss" in r for r in [*a.values(), *b.values()])
+    return tuple(f for f in FIELDS if evaluated or f != "eval_loss")
+
+
 def run_folder(text: str) -> Path:
     """A dump_dir, or its metrics.jsonl (what tab completion often gives)."""
     path = Path(text)
-    return path.parent if path.name == "metrics.jsonl" and path.is_file() else path
+    return path.parent if path.name == "metrics.jsonl" and not path.is_dir() else path
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -276,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dump_a", type=run_folder)
     parser.add_argument("dump_b", type=run_folder)
     parser.add_argument("--rtol", type=tolerance, default=0.0, help="relative tolerance (default 0: bitwise)")
-    parser.add_argument("--fields", type=field_list, default=FIELDS, help=f"what to compare (default {','.join(FIELDS)})")
+    parser.add_argument("--fields", type=field_list, help=f"what to compare (default {','.join(FIELDS)}; eval_loss only "
+                        "where a run evaluated)")
     parser.add_argument("--plot", help="write a PNG of both loss curves and their difference")
     parser.add_argument("--brief", action="store_true", help="only the verdict and each run's median TFLOP/s")
     opts = parser.parse_args(argv)
@@ -286,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UnreadableMetrics(f"{opts.dump_a} and {opts.dump_b} hold the same metrics file: a run compared with "
                                     "itself proves nothing")
         a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
-        fields = opts.fields
-        if fields is FIELDS and not any("eval_loss" in r for r in [*a.values(), *b.values()]):
-            fields = tuple(f for f in FIELDS if f != "eval_loss")  # neither run evaluated: no empty column
+        fields = opts.fields or default_fields(a, b)
         rows, verdict, agree = compare(a, b, opts.rtol, fields)
     except UnreadableMetrics as e:
         for note in notes:

@@ -61,14 +61,15 @@ def test_a_kill_in_backward_or_the_optimizer_resumes_from_the_newest_checkpoint(
 
 def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):
     """Rank 1 of 3 sleeps at step 3's first gradient reduce-scatter: ranks 0 and 2, waiting in it, each
-    fail with one line naming the op, the group, the step and the unit, within comm_timeout_s + 10 s;
-    the job exits non-zero instead of hanging."""
+    fail with one line naming the op, the group, the step and the unit, within comm_timeout_s + 20 s
+    (the margin covers another test file's ranks sharing the two cores); the job exits non-zero instead
+    of hanging."""
     proc = train(3, tmp_path / "dump", "model=tiny", "seq_len=64", "steps=6", "batch_size=1", "comm_timeout_s=5",
                  fault="stall:3:1", timeout=120)
     ended = time.time()
     stalled = float(proc.stderr.split("faulty_train: stalling at ")[1].split()[0])
     assert proc.returncode != 0
-    assert ended - stalled < 5 + 10, ended - stalled
+    assert ended - stalled < 5 + 20, ended - stalled
     lines = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in error_lines(proc.stderr)}
     assert set(lines) == {"error: rank 0", "error: rank 2"}, proc.stderr[-3000:]
     for line in lines.values():

@@ -56,12 +56,19 @@ def test_a_second_job_on_a_busy_dump_dir_is_refused_and_the_first_finishes_untou
     slowly the second job starts."""
     dump = tmp_path / "run"
     first = start(2, dump, *FAST, "steps=100000", "stop_signal=USR1")
-    _wait_for_records(dump, first, 1)
-    second = train(0, dump, *FAST, "steps=100000", "stop_signal=USR1", timeout=60)
-    assert_one_error(second, f"dump_dir={dump} is in use by job")
-    assert first.poll() is None  # refused while the first trains, not after it ended
-    os.kill(max(_children(first.pid)), signal.SIGUSR1)
-    assert first.wait(timeout=120) == 0
+    try:
+        _wait_for_records(dump, first, 1)
+        (dump / "stopped.json").write_text("left by an earlier job")  # the first removed its own already
+        second = train(0, dump, *FAST, "steps=100000", "stop_signal=USR1", timeout=120)
+        assert_one_error(second, f"dump_dir={dump} is in use by job")
+        assert first.poll() is None  # refused while the first trains, not after it ended
+        assert (dump / "stopped.json").read_text() == "left by an earlier job"  # the refused job touched nothing
+        os.kill(max(_children(first.pid)), signal.SIGUSR1)
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:  # never left training for the rest of the session
+            first.kill()
+            first.wait()
     stopped = json.loads((dump / "stopped.json").read_text())["step"]
     assert [r["step"] for r in metrics(dump)] == list(range(1, stopped + 1))
     assert (dump / "checkpoints" / f"step_{stopped}" / "manifest.json").is_file()
