@@ -53,14 +53,9 @@ def default_corpus_files() -> list[Path]:
     return sorted(files, key=lambda path: str(path.relative_to(root)))
 
 
-def resolve_source_files(source: str | None) -> list[Path]:
-    """`data.source` -> the sorted list of files to train on (None or "stdlib": the default corpus)."""
-    return list_source(source)[0]
-
-
 def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
     """`data.source` -> (the sorted files to train on, the visible files under it left out for their
-    suffix)."""
+    suffix); None or "stdlib": the default corpus."""
     if source is None or source == "stdlib":
         return default_corpus_files(), []
     root = Path(source).expanduser()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parallel.errors import ConfigError
-from trainer.data import BatchLoader, default_corpus_files, prepare_dataset, resolve_source_files
+from trainer.data import BatchLoader, default_corpus_files, list_source, prepare_dataset
 from trainer.sampler import GlobalBatchSampler
 from trainer.token_shards import (
     TOKENS_FILE, PackedTokens, file_sha256, is_complete, write_packed_tokens,
@@ -26,6 +26,10 @@ from trainer.tokenizer import Tokenizer, iter_documents, train_tokenizer
 VOCAB = 320
 SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y"]
+
+
+def _source_files(source: str) -> list[Path]:
+    return list_source(source)[0]
 
 
 def _write_corpus(folder: Path) -> Path:
@@ -53,13 +57,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     model = tmp_path_factory.mktemp("tok") / "spm.model"
-    return Tokenizer(train_tokenizer(resolve_source_files(str(corpus)), VOCAB, model))
+    return Tokenizer(train_tokenizer(_source_files(str(corpus)), VOCAB, model))
 
 
 @pytest.fixture(scope="module")
 def packed(corpus: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> PackedTokens:
     out = tmp_path_factory.mktemp("packed") / "tokens"
-    write_packed_tokens(resolve_source_files(str(corpus)), tokenizer, out, progress=lambda line: None)
+    write_packed_tokens(_source_files(str(corpus)), tokenizer, out, progress=lambda line: None)
     return PackedTokens(out)
 
 
@@ -75,7 +79,7 @@ def test_tokenizer_round_trips_any_text(tokenizer: Tokenizer) -> None:
 
 
 def test_tokenizer_training_is_deterministic(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
-    again = train_tokenizer(resolve_source_files(str(corpus)), VOCAB, tmp_path / "again.model")
+    again = train_tokenizer(_source_files(str(corpus)), VOCAB, tmp_path / "again.model")
     assert again.read_bytes() == tokenizer.model_path.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.model"]  # no temp files left
 
@@ -93,7 +97,7 @@ def test_tokenizer_rejects_non_model(tmp_path: Path) -> None:
 def test_packed_tokens_match_direct_encoding(
     corpus: Path, tokenizer: Tokenizer, packed: PackedTokens
 ) -> None:
-    files = resolve_source_files(str(corpus))
+    files = _source_files(str(corpus))
     assert [f.relative_to(corpus).as_posix() for f in files] == ["a.txt", "c.md", "d.jsonl", "sub/b.py"]
     documents = [f.read_text() for f in files if f.suffix != ".jsonl"]
     documents[2:2] = [json.loads(line)["text"] for line in (corpus / "d.jsonl").read_text().splitlines()]
@@ -118,7 +122,7 @@ def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: Tokeni
     (root / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")  # CRLF and a lone CR, as written
     (root / "b.txt").write_bytes(b"")
     (root / "c.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "x\r\ny"}) + "\n")
-    files = resolve_source_files(str(root))
+    files = _source_files(str(root))
     documents = [doc for path in files for doc in iter_documents(path)]
     assert documents == ["one\r\ntwo\rthree\n", "x\r\ny"]
     packed = PackedTokens(write_packed_tokens(files, tokenizer, tmp_path / "packed", progress=lambda line: None))
@@ -134,7 +138,7 @@ def test_a_source_with_no_text_is_one_line(tokenizer: Tokenizer, tmp_path: Path)
     (root / "a.txt").write_bytes(b"")
     (root / "b.jsonl").write_text(json.dumps({"text": ""}) + "\n\n")
     with pytest.raises(ConfigError, match=r'^data.source holds no text \(empty files, or empty "text" fields only\)$'):
-        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=lambda line: None)
+        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=lambda line: None)
     assert not any(p.name.startswith(".packed") for p in tmp_path.iterdir())  # nothing half-written left
 
 
@@ -209,13 +213,13 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "x.bin").write_bytes(b"0")
     with pytest.raises(ConfigError, match=r"data\.source=.*empty contains no"):
-        resolve_source_files(str(tmp_path / "empty"))
+        _source_files(str(tmp_path / "empty"))
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     with pytest.raises(ConfigError, match=r"data\.source=.*loop is a link that leads nowhere$"):
-        resolve_source_files(str(tmp_path / "loop"))
+        _source_files(str(tmp_path / "loop"))
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ConfigError, match=r"data\.source=.*fifo is neither a file nor a folder"):
-        resolve_source_files(str(tmp_path / "fifo"))
+        _source_files(str(tmp_path / "fifo"))
 
 
 def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_file(
@@ -229,15 +233,15 @@ def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_fi
     (elsewhere / "c.md").write_text("gamma")
     (root / "linked").symlink_to(elsewhere)  # a corpus assembled from links
     (elsewhere / "loop").symlink_to(root)  # and a loop back, read once
-    files = resolve_source_files(str(root))
+    files = _source_files(str(root))
     assert [p.relative_to(root).as_posix() for p in files] == ["linked/c.md", "own/a.txt"]
     # Another encoding inside a folder is refused by name (a single-file source is checked up front).
     (root / "own" / "d.txt").write_text("delta " * 50, encoding="utf-16")
     with pytest.raises(ConfigError, match=r"^data.source file .*own/d.txt is not UTF-8 text \(invalid byte at offset 0\)$"):
-        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
     (root / "own" / "d.txt").write_bytes(b"delta\xff")  # a short file has no cut character to excuse
     with pytest.raises(ConfigError, match=r"own/d.txt is not UTF-8 text \(invalid byte at offset 5\)"):
-        write_packed_tokens(resolve_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
 
 
 def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_path: Path, monkeypatch) -> None:
