@@ -6,9 +6,11 @@ preparation, model build or checkpoint load, minutes at scale, stops the job aft
 instead of being lost or killing the rank); after every step all ranks agree in one all-reduce (max) over
 the world whether any of them got it (ranks receive a signal at slightly different times, and all must
 stop after the same step). The stopped job saves a checkpoint of that step, writes
-{dump_dir}/stopped.json (the step and the signal: what a batch script reads to requeue itself) and exits
-0. A job removes an old stopped.json as soon as it owns the dump_dir, before anything can end it: a job
-that ends early (nothing left to train) must not leave one behind for its batch script to requeue on.
+{dump_dir}/stopped.json (the step, the signal and the job: what a batch script reads to requeue itself)
+and exits 0. A job removes an earlier job's stopped.json as soon as it owns the dump_dir, before anything
+can end it: a job that ends early (nothing left to train) must not leave one behind for its batch
+script to requeue on. A torchrun restart of the same job (a worker failed after the stop) finds its own
+stopped.json and stops at once: training on would end at the time limit, unrequeued.
 """
 
 import json
@@ -23,9 +25,20 @@ from parallel import comm
 STOPPED_FILE = "stopped.json"
 
 
-def forget_an_earlier_stop(dump_dir: Path) -> None:
-    """Remove the stopped.json an earlier job left (rank 0, once the dump_dir is this job's)."""
-    (dump_dir / STOPPED_FILE).unlink(missing_ok=True)
+def take_over_stop_marker(dump_dir: Path, job: str, restart_count: int) -> int | None:
+    """Rank 0, once the dump_dir is this job's: the step an earlier attempt of this same job stopped
+    after (torchrun's restart, `restart_count` > 0), which leaves the marker in place; otherwise the
+    marker an earlier job left is removed, and None."""
+    marker = dump_dir / STOPPED_FILE
+    if restart_count > 0:
+        try:
+            stopped = json.loads(marker.read_text())
+            if stopped["job"] == job:
+                return int(stopped["step"])
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # none, or not this job's: an earlier job's marker, removed below
+    marker.unlink(missing_ok=True)
+    return None
 
 
 class StopRequest:
@@ -42,9 +55,10 @@ class StopRequest:
 
 
 class StopOnSignal:
-    def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path):
-        """With `request.name` None: never stops, and no all-reduce."""
-        self.request, self.group, self.device = request, group, device
+    def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
+                 job: str):
+        """With `request.name` None: never stops, and no all-reduce. `job`: torchrun's run id."""
+        self.request, self.group, self.device, self.job = request, group, device, job
         self.marker = dump_dir / STOPPED_FILE
 
     def agreed(self) -> bool:
@@ -57,4 +71,4 @@ class StopOnSignal:
         return bool(flag.item())
 
     def record(self, step: int) -> None:
-        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.request.name}"}))
+        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.request.name}", "job": self.job}))

@@ -35,7 +35,7 @@ from trainer.memory import MemorySnapshots
 from trainer.metrics import MetricsLog, record_history_owner
 from trainer.nonfinite import weights_finite
 from trainer.optimizer import NamedAdamW
-from trainer.preemption import StopOnSignal, StopRequest, forget_an_earlier_stop
+from trainer.preemption import STOPPED_FILE, StopOnSignal, StopRequest, take_over_stop_marker
 from trainer.parallelize import (
     DTYPE_NAMES, DTYPES, block_factory, build_chunks, cp_context, parallelize, tp_context,
 )
@@ -117,9 +117,13 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     dump_dir = Path(cfg.dump_dir)
     lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
                         comm.world())
-    if lock is not None:
-        forget_an_earlier_stop(dump_dir)
     try:
+        stopped = take_over_stop_marker(dump_dir, launch.run_id, launch.restart_count) if lock is not None else None
+        stopped = comm.all_gather_object(stopped, comm.world())[0]
+        if stopped is not None:
+            log0(launch.rank, f"an earlier attempt of this job stopped after step {stopped} on its stop signal and "
+                 f"torchrun restarted it when a worker failed: stopping again ({STOPPED_FILE} kept for the requeue)")
+            return
         _train_in(cfg, launch, mesh, device, dump_dir, stop_request)
     finally:
         if lock is not None:
@@ -162,7 +166,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         record_history_owner(dump_dir, launch.run_id)
     extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
-    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request)
+    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request, launch.run_id)
 
 
 def build_trainer(
@@ -221,7 +225,7 @@ def _same_data_on_every_rank(cache_key: str) -> None:
 
 def _fit(
     cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: dict[str, Path],
-    rank: int, log: Callable[[str], None], stop_request: StopRequest,
+    rank: int, log: Callable[[str], None], stop_request: StopRequest, job: str,
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
@@ -229,7 +233,7 @@ def _fit(
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
-    stop = StopOnSignal(stop_request, comm.world(), trainer.device, Path(cfg.dump_dir))
+    stop = StopOnSignal(stop_request, comm.world(), trainer.device, Path(cfg.dump_dir), job)
     background = AsyncCheckpointer(ckpt_root, comm.world(), trainer.mesh.checkpoint_group, rank,
                                    cfg.checkpoint.keep, extra_files, log, trainer.device) \
         if cfg.checkpoint.async_save else None

@@ -12,8 +12,9 @@ POINT is where in step STEP worker RANK dies:
 or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
 reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first);
 with POINT `halt` and RANK `all`, every worker raises FloatingPointError as step STEP begins, as an
-agreed nan_policy=halt stop does; with POINT `signal_at_start` (STEP ignored), worker RANK sends itself
-SIGUSR1 as its data preparation begins, long before its first step.
+agreed nan_policy=halt stop does; with POINT `signal_then_die` (STEP ignored), worker RANK sends itself
+SIGUSR1 as its data preparation begins, long before its first step, and dies once the stopped job has
+saved and written stopped.json.
 The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
@@ -56,16 +57,20 @@ def arm(point: str, step: int) -> None:
         return train_step(self, s)
 
     loop.Trainer.train_step = counting_train_step
-    if point == "signal_at_start":
+    if point == "signal_then_die":
         from trainer import run
 
-        build_data = run._build_data
+        build_data, fit = run._build_data, run._fit
 
         def signalled_build_data(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGUSR1)
             return build_data(*args, **kwargs)
 
-        run._build_data = signalled_build_data
+        def fit_then_die(*args, **kwargs):
+            fit(*args, **kwargs)
+            die(f"{point} after the stop")
+
+        run._build_data, run._fit = signalled_build_data, fit_then_die
     if point == "stall":
         reduce_scatter = comm.reduce_scatter_tensor
 
@@ -116,7 +121,7 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in (*POINTS, "stall", "halt", "signal_at_start"), point
+    assert point in (*POINTS, "stall", "halt", "signal_then_die"), point
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank in ("all", os.environ.get("RANK")):
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]

@@ -38,11 +38,17 @@ def test_signal_to_one_worker_stops_all_with_a_checkpoint_then_resumes_bitwise(t
     assert losses(metrics(dump)) == straight
 
 
-def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
+def test_a_signal_during_start_up_stops_after_the_first_step_and_a_restart_stops_too(tmp_path):
     """Data preparation, model build and checkpoint load take minutes at scale: a warning signal then
-    must neither kill the rank nor be lost (under Slurm the agent's ignored signal is inherited)."""
+    must neither kill the rank nor be lost (under Slurm the agent's ignored signal is inherited). A
+    worker then dies after the stop: torchrun's restart must stop again, keeping stopped.json (training
+    on would end at the time limit, with no requeue)."""
     dump = tmp_path / "run"
-    proc = train(2, dump, *RUN, fault="signal_at_start:0:1")
+    proc = train(2, dump, *RUN, fault="signal_then_die:0:1", max_restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((dump / "stopped.json").read_text()) == {"step": 1, "signal": "SIGUSR1"}
+    assert "faulty_train: killing rank 1 at signal_then_die after the stop" in proc.stderr  # the restart ran
+    assert "an earlier attempt of this job stopped after step 1 on its stop signal" in proc.stdout + proc.stderr
+    stopped = json.loads((dump / "stopped.json").read_text())
+    assert {key: stopped[key] for key in ("step", "signal")} == {"step": 1, "signal": "SIGUSR1"}
+    assert [r["step"] for r in metrics(dump)] == [1]
     assert (dump / "checkpoints" / "step_1" / "manifest.json").is_file()
