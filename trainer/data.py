@@ -28,7 +28,9 @@ from trainer.token_shards import (
     sources_fingerprint,
     write_packed_tokens,
 )
-from trainer.tokenizer import MIN_VOCAB_SIZE, Tokenizer, not_text_reason, train_tokenizer, trainer_settings_fingerprint
+from trainer.tokenizer import (
+    Tokenizer, check_trainable_vocab_size, not_text_reason, train_tokenizer, trainer_settings_fingerprint,
+)
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
@@ -163,9 +165,8 @@ def prepare_dataset(
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker.
     """
-    if tokenizer_path is None and vocab_size < MIN_VOCAB_SIZE:  # said now, not after the source is read
-        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (the tokenizer trained on "
-                          f"data.source has 256 byte pieces and the special ones)")
+    if tokenizer_path is None:  # said now, not after the source is read
+        check_trainable_vocab_size(vocab_size)
     files, left_out = list_source(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
     key = _cache_key(files, vocab_size, given)

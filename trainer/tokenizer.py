@@ -190,10 +190,15 @@ class _TrainingLines:
                         return
 
 
+def check_trainable_vocab_size(vocab_size: int) -> None:
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (the tokenizer trained on "
+                          f"data.source has 256 byte pieces and the special ones)")
+
+
 def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, num_threads: int = 2) -> Path:
     """Trains a byte-fallback BPE model on `text_files` and writes it atomically to `model_path`."""
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (byte fallback)")
+    check_trainable_vocab_size(vocab_size)
     lines = _TrainingLines(text_files, MAX_TRAINING_LINES)
     # In memory and without a model_prefix: the prefix would be recorded in the model, which must
     # depend only on the corpus and the settings to be byte-identical across runs.
