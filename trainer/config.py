@@ -254,3 +254,10 @@ def get_key(cfg: TrainConfig, key: str) -> Any:
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def setting(cfg: TrainConfig, key: str) -> str:
+    """`key=value` as it is written on the command line (true/false, null), for messages."""
+    value = get_key(cfg, key)
+    shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+    return f"{key}={shown}"

@@ -131,7 +131,7 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
         return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in differs]
     parts = []
     for key in changed:
-        hint = _FORMAT_HINT if key in refused else _HINTS.get(key, "").format(old=saved.get(key))
+        hint = _FORMAT_HINT if key in refused else _hint(key, saved, current)
         parts.append(f"{key} {saved.get(key)!r} -> {current[key]!r}" + (f" ({hint})" if hint else ""))
     allowable = all(key in ALLOWABLE and key not in refused for key in changed)
     remedy = f"; to change it anyway pass resume.allow_changed=[{','.join(changed)}]" if allowable else ""
@@ -139,3 +139,12 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
         f"resuming from {checkpoint} would change the run: {'; '.join(parts)}. Use a new dump_dir for a "
         f"different run{remedy}"
     )
+
+
+def _hint(key: str, saved: dict[str, Any], current: dict[str, Any]) -> str:
+    old = saved.get(key)
+    if key == "optim.decay_steps" and old < current.get("optim.warmup_steps", 0):
+        # Such a schedule ended inside its warmup: there is no decay to continue (validate refuses it).
+        return (f"where the LR decay ends: the saved run ended at step {old}, inside its warmup of "
+                f"{current['optim.warmup_steps']} steps, so it has no decay to continue")
+    return _HINTS.get(key, "").format(old=old)

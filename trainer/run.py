@@ -43,6 +43,7 @@ from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
 from trainer.resume import refuse_a_changed_run_early, resume
 from trainer.state import checkpoint_state
+from trainer.validate import layout_noops
 from trainer.tensorboard import TensorBoardLog
 from trainer.token_shards import TOKENS_FILE, file_sha256
 from trainer.tokenizer import Tokenizer
@@ -96,6 +97,8 @@ def log0(rank: int, msg: str) -> None:
 def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     """Train with a validated config (trainer.validate.validate gave `dims`)."""
     stop_request = StopRequest(cfg.stop_signal)  # first: a stop signal during start-up is kept
+    for note in layout_noops(cfg, dims):
+        log0(launch.rank, note)
     if launch.torchrun:
         exit_with_launcher()
     device = select_device(launch)

@@ -16,7 +16,7 @@ from model.te import delayed_scaling
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
-from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key
+from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key, setting
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder, run_tokenizer
 
@@ -201,10 +201,6 @@ def _check_fp8(cfg: TrainConfig) -> None:
 # would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
 _NEEDS = (
     *((key, "model.use_fp8=true (it changes fp8 GEMMs only)", lambda c: c.model.use_fp8) for key in FP8_KEYS),
-    ("context_parallel_comm", "context_parallel_size > 1", lambda c: c.context_parallel_size > 1),
-    ("model.sequence_parallel", "model_parallel_size > 1", lambda c: c.model_parallel_size > 1),
-    ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)",
-     lambda c: c.context_parallel_size == 1),
     ("eval.steps", "eval.freq > 0", lambda c: c.eval.freq > 0),
     ("checkpoint.async_save", "checkpoint.freq > 0 (a save on a stop signal is synchronous)",
      lambda c: c.checkpoint.freq > 0),
@@ -219,7 +215,25 @@ _NEEDS = (
 def _check_keys_with_effect(cfg: TrainConfig) -> None:
     for key, needs, has in _NEEDS:
         if get_key(cfg, key) != get_key(_DEFAULTS, key) and not has(cfg):
-            raise ConfigError(f"{key}={get_key(cfg, key)} needs {needs}; without it the key changes nothing")
+            raise ConfigError(f"{setting(cfg, key)} needs {needs}; without it the key changes nothing")
+
+
+# Keys that change nothing on some layouts and take effect on others with the same command (a numerics
+# matrix passes one set of overrides to every layout): accepted, and named in the log where they are no-ops.
+_LAYOUT_NOOPS = (
+    ("optimize_backward_concat", "more than one microbatch", lambda c, d: c.num_microbatches > 1),
+    ("grad_reduce", "more than one microbatch", lambda c, d: c.num_microbatches > 1),
+    ("reshard_after_forward", "more than one rank per FSDP shard group", lambda c, d: d.dp_shard > 1),
+    ("model.sequence_parallel", "model_parallel_size > 1", lambda c, d: d.tp > 1),
+    ("context_parallel_comm", "context_parallel_size > 1", lambda c, d: d.cp > 1),
+    ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)", lambda c, d: d.cp == 1),
+)
+
+
+def layout_noops(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
+    """The keys set away from their default that change nothing on this layout, for the log."""
+    return [f"{setting(cfg, key)} changes nothing on this layout: it needs {needs}"
+            for key, needs, has in _LAYOUT_NOOPS if get_key(cfg, key) != get_key(_DEFAULTS, key) and not has(cfg, dims)]
 
 
 def _check_te_combinations(cfg: TrainConfig) -> None:

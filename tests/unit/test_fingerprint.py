@@ -135,3 +135,19 @@ def test_eval_steps_is_what_eval_loss_averages(tmp_path):
         check_resumable(saved, fewer, allowed=[])
     check_resumable(saved, fewer, allowed=["eval.steps"])
     check_resumable(_saved(tmp_path, _fingerprint(), drop=("eval.steps",)), fewer, allowed=[])
+
+
+def test_a_longer_run_is_told_how_to_keep_the_schedule_only_when_it_can(tmp_path):
+    def run_of(steps: int, **optim) -> dict:
+        return run_fingerprint(from_dict({"model": {"name": "tiny"}, "steps": steps, "optim": optim}),
+                               "float32", 8, "a" * 64, DATA)
+
+    with pytest.raises(ConfigError) as err:
+        check_resumable(_saved(tmp_path, run_of(20, warmup_steps=10)), run_of(30, warmup_steps=10), allowed=[])
+    assert "pass optim.decay_steps=20 to continue the same schedule" in str(err.value)
+    # A run that ended inside its warmup has no decay to continue: optim.decay_steps=3 would be refused.
+    with pytest.raises(ConfigError) as err:
+        check_resumable(_saved(tmp_path, run_of(3, warmup_steps=10)), run_of(4, warmup_steps=10), allowed=[])
+    assert "optim.decay_steps=3" not in str(err.value)
+    assert "ended at step 3, inside its warmup of 10 steps" in str(err.value)
+    assert "resume.allow_changed=[optim.decay_steps]" in str(err.value)
