@@ -155,6 +155,16 @@ class Fp8Gemm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _Fp8Linear.apply(x, weight, self, self._fp8_weight(weight))
 
+    def _apply(self, fn, recurse: bool = True) -> "Fp8Gemm":
+        """A cast of the model (`.bfloat16()`, `.to(dtype)`) leaves the scaling state fp32, as TE keeps
+        its fp8 metadata: _scaled_mm takes fp32 scales only, and a bf16 amax history would round."""
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():  # fn's device, the old values (a meta tensor has none)
+            new = self._buffers[name]
+            self._buffers[name] = new.to(old.dtype) if old.is_meta else old.to(new.device)
+        return self
+
     def _fp8_weight(self, weight: torch.Tensor) -> torch.Tensor:
         if self._gathered is not None:
             return self._gathered

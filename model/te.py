@@ -54,9 +54,9 @@ def _autocast(enabled: bool, recipe: object | None, group: ProcessGroup | None) 
     return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
 
 
-# TE's per-direction scaling state (a DelayedScaling recipe state; older TE also keeps scale_inv).
+# TE's per-direction scaling state (a DelayedScaling recipe state).
 _SCALING_KEYS = ("scaling_fwd", "scaling_bwd")
-_SCALING_FIELDS = ("scale", "scale_inv", "amax_history")
+_SCALING_FIELDS = ("scale", "amax_history")
 
 
 def scaling_state(module: nn.Module, fp8_region: Callable[[], AbstractContextManager]) -> dict[str, torch.Tensor]:
@@ -73,8 +73,7 @@ def scaling_state(module: nn.Module, fp8_region: Callable[[], AbstractContextMan
             for linear in uninitialized:
                 linear.init_fp8_metadata(num_gemms=1)
     return {f"{name}.{key}.{field}": getattr(linear.fp8_meta[key], field)
-            for name, linear in linears for key in _SCALING_KEYS for field in _SCALING_FIELDS
-            if hasattr(linear.fp8_meta[key], field)}
+            for name, linear in linears for key in _SCALING_KEYS for field in _SCALING_FIELDS}
 
 
 def _linear_options(tp: TPContext) -> dict:
@@ -192,14 +191,8 @@ def delayed_scaling(recipe: Fp8Recipe) -> object:
     """TE's DelayedScaling from the in-tree recipe's settings."""
     from transformer_engine.common.recipe import DelayedScaling, Format
 
-    options = dict(margin=recipe.margin, fp8_format=Format.HYBRID if recipe.format == "hybrid" else Format.E4M3,
-                   amax_history_len=recipe.amax_history_len, amax_compute_algo=recipe.amax_compute_algo)
-    if not recipe.wgrad:
-        if "override_linear_precision" not in DelayedScaling.__dataclass_fields__:
-            raise ValueError("model.fp8_wgrad=false needs a TransformerEngine whose DelayedScaling has "
-                             "override_linear_precision; the installed one computes the weight gradient in fp8 only")
-        options["override_linear_precision"] = (False, False, True)
-    return DelayedScaling(**options)
+    return DelayedScaling(margin=recipe.margin, fp8_format=Format.HYBRID if recipe.format == "hybrid" else Format.E4M3,
+                          amax_history_len=recipe.amax_history_len, amax_compute_algo=recipe.amax_compute_algo)
 
 
 class TEBlocks:

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from model.fp8 import GEMM_MULTIPLE
-from model.te import delayed_scaling
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
@@ -248,6 +247,9 @@ def _check_te_combinations(cfg: TrainConfig) -> None:
     if m.use_fp8 and cfg.nan_policy == "skip":
         raise ConfigError("nan_policy=skip with model.use_te_layers=true model.use_fp8=true is not supported: a "
                           "skipped step's amaxes would stay in TransformerEngine's history (use nan_policy=halt)")
+    if m.use_fp8 and not m.fp8_wgrad:
+        raise ConfigError("model.fp8_wgrad=false with model.use_te_layers=true is not supported: TransformerEngine 2.x "
+                          "computes every weight gradient of its fp8 GEMMs in fp8 (the in-tree fp8 offers it)")
     if m.use_fp8 and m.layer_ckpt == "full":
         raise ConfigError("model.layer_ckpt=full with model.use_te_layers=true model.use_fp8=true is not supported: "
                           "the recompute would run TE's fp8 modules outside TE's autocast (use layer_ckpt=selective)")
@@ -260,12 +262,6 @@ def _check_transformer_engine(cfg: TrainConfig) -> None:
                           f"device (use the in-tree fp8 with model.use_te_layers=false, or {install})")
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError(f"model.use_te_layers=true needs TransformerEngine, which is not installed: {install}")
-    recipe = cfg.model_args().fp8_recipe()
-    if recipe is not None:
-        try:
-            delayed_scaling(recipe)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:

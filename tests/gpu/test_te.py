@@ -11,6 +11,7 @@ import torch
 
 from model.args import ModelArgs
 from model.attention import RotaryEmbedding
+from model.fp8 import fp8_gemms
 from model.init import init_weights
 from model.te import TEBlocks
 from model.transformer import TransformerBlock
@@ -56,6 +57,8 @@ def test_te_block_matches_the_in_tree_block_on_the_same_weights(use_fp8):
         for name, p in te_block.named_parameters():
             p.copy_(params[name])
     ours, te_block = ours.bfloat16(), te_block.bfloat16()
+    for gemm in fp8_gemms(list(ours.modules())):  # cast with TE's initial scales of 1, as TE does
+        gemm.scale_is_set.fill_(True)
     for p in te_block.parameters():
         if getattr(p, "wgrad_into_main_grad", False):  # what FSDP binds: TE writes the weight gradient here
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)

@@ -166,3 +166,15 @@ def test_cpu_gemm_is_torch_scaled_mm_up_to_summation_order(b_dtype: torch.dtype)
     ours = scaled_mm(a, b_rows, inv_a, inv_b, torch.float32)
     torch_mm = torch._scaled_mm(a, b_rows.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=torch.float32)
     torch.testing.assert_close(ours, torch_mm, rtol=1e-6, atol=1e-5)
+
+
+def test_a_cast_of_the_model_leaves_the_scaling_state_fp32() -> None:
+    """model.bfloat16() must not round the amax history or hand _scaled_mm bf16 scales (CUDA's refuses them)."""
+    gemm = Fp8Gemm(Fp8Recipe())
+    gemm.scale.copy_(torch.tensor([3.0, 601.0, 2.0**14]))  # 601 is not a bf16 number
+    block = torch.nn.Sequential(gemm).bfloat16()
+    assert (gemm.scale.dtype, gemm.amax_history.dtype, gemm.scale_is_set.dtype) == (
+        torch.float32, torch.float32, torch.bool)
+    assert gemm.scale.tolist() == [3.0, 601.0, 2.0**14]
+    x = torch.ones(4, 16, dtype=torch.bfloat16)
+    assert block[0](x, torch.full((16, 16), 0.5, dtype=torch.bfloat16)).dtype == torch.bfloat16

@@ -9,7 +9,7 @@ in forward, and an autocast region with a recipe and an amax reduction group.
 fp8 is modelled by TE's delayed-scaling state, not by fp8 GEMMs: inside an enabled region each linear
 keeps `fp8_meta["scaling_fwd"]` (input, weight, output) and `fp8_meta["scaling_bwd"]` (output
 gradient, input gradient), each a scale and an amax history, created by `init_fp8_metadata` at its
-first fp8 forward. Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
+first fp8 forward. The weight's cast is made on the first microbatch and reused by the others. Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
 under HYBRID) and their amaxes recorded. As in TE, the outermost enabled region's exit reduces the
 forward amaxes in one all-reduce (max) over the amax group and updates scales and histories as
 DelayedScaling does, and the backward of the region's first fp8 module (its last backward) does the same
@@ -136,8 +136,7 @@ class FusedWgradLinear(torch.autograd.Function):
     def forward(ctx, x, weight, is_first_microbatch, fuse, fp8=None):
         w = weight
         if fp8 is not None:
-            scaling = fp8[0].fp8_meta["scaling_fwd"]
-            x, w = scaling.qdq(0, x), scaling.qdq(1, weight)
+            x, w = fp8[0].fp8_meta["scaling_fwd"].qdq(0, x), fp8[0].fp8_weight(weight, is_first_microbatch)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.is_first_microbatch, ctx.fuse, ctx.fp8 = weight, is_first_microbatch, fuse, fp8
         return x @ w.t()
@@ -175,6 +174,17 @@ class _ParallelLinear(nn.Module):
         in_local = in_features // tp_size if parallel_mode == "row" else in_features
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=params_dtype, device=device))
         self.fp8, self.fp8_meta = False, {}
+        self._weight_cast: torch.Tensor | None = None
+
+    def fp8_weight(self, weight: torch.Tensor, is_first_microbatch: bool | None) -> torch.Tensor:
+        """As TE: the first microbatch's cast (amax recorded) is reused by the later ones, which record
+        no weight amax; None casts on every call and keeps nothing."""
+        if is_first_microbatch is False:
+            assert self._weight_cast is not None, "is_first_microbatch=False before a first microbatch"
+            return self._weight_cast
+        cast = self.fp8_meta["scaling_fwd"].qdq(1, weight.detach())
+        self._weight_cast = cast if is_first_microbatch else None
+        return cast
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         """The fp8 state, created in the first enabled region and kept from then on."""

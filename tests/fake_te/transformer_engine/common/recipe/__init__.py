@@ -15,4 +15,3 @@ class DelayedScaling:
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
-    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
