@@ -32,7 +32,8 @@ def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) ->
     """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`.
 
     A whole flat gradient arriving first is adopted (no zero-filled buffer to pay for); per-view
-    gradients start from zeros, so a parameter that got no gradient contributes nothing.
+    gradients (optimize_backward_concat's non-last microbatches) start from zeros, so a parameter
+    that got no gradient contributes nothing.
     """
     if unit.grad_accumulator is None:
         if grad.numel() == unit.spec.padded:

@@ -128,7 +128,7 @@ class FSDPUnit:
         self._microbatch_aware = [m for m in module.modules() if isinstance(m, MicrobatchAware)]
         self.state = UnitState.SHARDED
         self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
-        self.is_first_microbatch = self.is_last_microbatch = True
+        self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
         self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
@@ -162,7 +162,7 @@ class FSDPUnit:
 
     def set_microbatch(self, is_first: bool, is_last: bool) -> None:
         """The scheduler's marks, for this unit and the submodules that want them."""
-        self.is_first_microbatch, self.is_last_microbatch = is_first, is_last
+        self.is_last_microbatch = is_last
         for module in self._microbatch_aware:
             module.set_microbatch(is_first, is_last)
 
@@ -223,14 +223,14 @@ class FSDPUnit:
         """Point the module's parameters at views of the unsharded flat parameter.
 
         Connected views have their gradients concatenated into `_full.grad` (one SplitWithSizesBackward).
-        With optimize_backward_concat that happens once per step, on the first microbatch: its flat
-        gradient becomes the fp32 accumulator (no zero-filled buffer), and on the later microbatches each
-        view's gradient lands in its own leaf and a hook adds it in place into the accumulator, with no
-        concat. Without the option, or when every microbatch reduces its own gradient
-        (grad_reduce=per_microbatch), the views are connected on every microbatch.
+        With optimize_backward_concat that happens once per step, on the last microbatch, whose flat
+        gradient is added to the fp32 accumulator and reduced; on the earlier microbatches the views are
+        cut from the flat parameter and each view's gradient lands in its own leaf, where a hook adds it
+        in place into the accumulator, with no concat. Without the option, or when every microbatch
+        reduces its own gradient (grad_reduce=per_microbatch), the views are connected on every microbatch.
         """
         cut = self.cfg.optimize_backward_concat and self.cfg.grad_reduce == "last_microbatch"
-        if self.is_first_microbatch or not cut:
+        if self.is_last_microbatch or not cut:
             views = split_views(self._full, self.spec)
         else:
             views = _DetachedViews(self).views
@@ -309,7 +309,8 @@ class _DetachedViews:
     """Views cut from the flat parameter in autograd: the split runs under no_grad, each chunk is made
     a grad-requiring leaf, and the view() op runs outside no_grad so the view has a grad_fn (a view
     built entirely under no_grad would silently drop its gradient). Each chunk's gradient is added to
-    the accumulator as it arrives; a chunk that gets none adds nothing."""
+    the accumulator as it arrives; a chunk that gets none adds nothing. Only non-last microbatches, which
+    never reduce, get these views."""
 
     def __init__(self, unit: FSDPUnit):
         self.unit = unit
@@ -324,7 +325,5 @@ class _DetachedViews:
     def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
         if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
             return
-        if self.unit.reduces_now and self.unit.ticket.done:  # the accumulator was already reduced
-            raise RuntimeError(f"FSDP unit {self.unit.name}: a gradient arrived after the unit's backward ended")
         accumulate_unsharded(self.unit, chunk.grad, offset)
         chunk.grad = None

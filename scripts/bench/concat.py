@@ -2,8 +2,8 @@
 
 Without the option every microbatch's backward concatenates its per-parameter gradients into the
 unit's flat gradient (autograd's SplitWithSizesBackward) and adds it to the fp32 accumulator; with it,
-only the first microbatch concatenates (its flat gradient becomes the accumulator) and the later ones
-add each parameter's gradient straight into the accumulator. Both give bitwise-identical losses (checked here too).
+only the last microbatch concatenates and the earlier ones add each parameter's gradient straight into
+the accumulator. Both give bitwise-identical losses (checked here too).
 
 Setup: the trainer's own step (build_trainer, random tokens) on 2 gloo CPU ranks (dp_shard=2, ZeRO-2:
 reshard_after_forward=false), fp32, microbatches of one sequence, for M in {1, 4, 8}. Both configs of

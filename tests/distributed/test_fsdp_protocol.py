@@ -38,6 +38,16 @@ def _concats_per_step(optimize: bool) -> int:
 def _check_concats(rank: int, world: int) -> None:
     assert _concats_per_step(optimize=True) == len(UNITS)
     assert _concats_per_step(optimize=False) == len(UNITS) * M
+    # The one concat is the last microbatch's: earlier ones are cut, the flat parameter gets no gradient.
+    shard, rep, rank, world = _world_groups()
+    marks: list[tuple[str, bool]] = []
+
+    def record_flat_grads(root) -> None:
+        for unit in root.units:
+            unit.full.register_post_accumulate_grad_hook(lambda _, u=unit: marks.append((u.name, u.is_last_microbatch)))
+
+    train_fsdp(FSDPConfig(optimize_backward_concat=True), shard, rep, rank, world, M, 1, on_root=record_flat_grads)
+    assert sorted(marks) == sorted((name, True) for name in UNITS), marks
 
 
 def _check_bitwise_on_off(rank: int, world: int) -> None:
