@@ -6,7 +6,7 @@ as one plain process (no torchrun, no process group): the manifest is verified l
 its single-process mode. Weights map by name (model/hf.py): fused q/k/v and gate/up split into their
 parts, nothing permuted or reshaped.
 
-    python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
+    python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] [--no-tokenizer]
 """
 
 import sys
@@ -43,8 +43,9 @@ def read_train_config(ckpt: Path) -> TrainConfig:
     return from_dict(raw)
 
 
-def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
-    """Verify every file's sha256 first: DCP itself would load flipped bits without a word."""
+def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = True) -> None:
+    """Verify every file's sha256 first: DCP itself would load flipped bits without a word. The tokenizer
+    is exported only where transformers gives training's ids (else an error, or with_tokenizer=False)."""
     if not (ckpt / MANIFEST).is_file():
         newest = latest_checkpoint(ckpt / "checkpoints")
         hint = f"; its newest complete checkpoint is {newest}" if newest else ""
@@ -57,19 +58,45 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype) -> None:
         raise ConfigError(problem)
     cfg = read_train_config(ckpt)
     args = cfg.model_args()
+    tokenizer = Tokenizer(ckpt / "tokenizer.model")
+    difference = tokenization_difference(tokenizer) if with_tokenizer else None
+    if difference:
+        raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
+                          f"tokenizer ({difference}); pass "
+                          "--no-tokenizer to export the weights and config only")
     with warnings.catch_warnings():
         # Single-process loading is the intent here, not an accident DCP should warn about.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
-    tokenizer = Tokenizer(ckpt / "tokenizer.model")
     config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
     shutil.copymode(out / "config.json", out / "model.safetensors")
-    write_tokenizer(tokenizer, out)
+    if with_tokenizer:
+        write_tokenizer(tokenizer, out)
+
+
+# Text on which a sentencepiece normalizer other than the identity (sentencepiece's default NFKC, with
+# runs of whitespace collapsed) changes what transformers' Llama tokenizer, which only turns spaces into
+# "\u2581" (and prefixes one where the model does), hands to the segmenter.
+NORMALIZATION_PROBES = ("a\n    b", "x  y", "trail ", "\uff46\uff55\uff4c\uff4c", "\ufb01", "e\u0301")
+UNKNOWN_PROBE = "\u2603"  # a character few vocabularies hold
+
+
+def tokenization_difference(tokenizer: Tokenizer) -> str | None:
+    """Where transformers would tokenize text otherwise than training did (None: nowhere probed)."""
+    if tokenizer.unk_id in tokenizer.encode(UNKNOWN_PROBE):  # no byte fallback
+        return (f"{UNKNOWN_PROBE!r}, outside the vocabulary, is <unk> for training (the model has no byte "
+                "fallback) and dropped by transformers")
+    prefix = "\u2581" if tokenizer.adds_prefix_space else ""
+    for text in NORMALIZATION_PROBES:
+        ours, theirs = tokenizer.normalize(text), prefix + text.replace(" ", "\u2581")
+        if ours != theirs:
+            return f"{text!r} is normalized to {ours!r} for training, to {theirs!r} by transformers"
+    return None
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
@@ -94,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="a step_N folder under {dump_dir}/checkpoints")
     parser.add_argument("out", type=Path, help="a new or empty folder to write the Hugging Face model into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--no-tokenizer", action="store_true",
+                        help="leave the tokenizer files out (for a tokenizer transformers would read otherwise)")
     opts = parser.parse_args(argv)
     try:
-        export(opts.checkpoint, opts.out, DTYPES[opts.dtype])
+        export(opts.checkpoint, opts.out, DTYPES[opts.dtype], with_tokenizer=not opts.no_tokenizer)
     except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -58,8 +58,9 @@ def _open_safetensors(folder: Path, path: Path):
         raise ConfigError(f"{KEY}={folder}: {path.name} is not a readable safetensors file ({e})") from e
 
 
-# config.json fields our model has no equivalent for, and the value it implies.
-_UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+# config.json fields our model has no equivalent for, and the values it implies (transformers maps
+# "swish" to the same function as "silu").
+_UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu", "swish")}
 
 
 def check_hf_folder(folder: Path, args: ModelArgs) -> None:
@@ -91,13 +92,15 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
     if config.get("model_type") not in (None, "llama"):
         raise ConfigError(f"{KEY}={folder}: model_type is {config['model_type']!r}, only 'llama' imports")
     for field, implied in _UNSUPPORTED.items():
-        if config.get(field, implied) != implied:
+        if config.get(field, implied[0]) not in implied:
             raise ConfigError(f"{KEY}={folder}: config.json has {field}={config[field]!r}; this model supports "
-                              f"only {implied!r}")
+                              f"only {' or '.join(map(repr, implied))}")
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta (and any scaling) here
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{KEY}={folder}: config.json has rope_type={rope['rope_type']!r}; this model supports "
-                          "only the default RoPE")
+    for field, scaling in (("rope_scaling", config.get("rope_scaling") or {}), ("rope_parameters", rope)):
+        kind = _rope_kind(scaling)
+        if kind != "default":
+            raise ConfigError(f"{KEY}={folder}: config.json's {field} asks for {kind!r} RoPE scaling; this model "
+                              "supports only the default RoPE")
     if None not in (rope.get("rope_theta"), config.get("rope_theta")) and rope["rope_theta"] != config["rope_theta"]:
         raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={config['rope_theta']!r} and "
                           f"rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 4 reads the first, 5 the "
@@ -111,6 +114,14 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
     if differ:
         raise ConfigError(f"{KEY}={folder}: its config.json does not describe the configured model: "
                           f"{'; '.join(differ)}")
+
+
+def _rope_kind(scaling: object) -> str:
+    """The RoPE variant a rope_scaling / rope_parameters object asks for, under either of the names
+    transformers reads ("rope_type", or the older "type")."""
+    if not isinstance(scaling, dict):
+        return repr(scaling)
+    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -173,8 +184,8 @@ def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
 
 def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> bool:
     """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh). Returns
-    whether the folder's model ties its head to the embedding: ours starts the head as a copy of the
-    embedding and trains the two apart."""
+    whether the head came from the embedding (a tied model that ships no lm_head, as transformers
+    reads it): ours starts the head as a copy of the embedding and trains the two apart."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -183,4 +194,4 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> bool:
         for root in roots:
             for unit in root.units:
                 _import_unit(reader, unit)
-    return tied
+    return tied and TIED_HEAD[0] not in reader.files

@@ -65,6 +65,10 @@ class Tokenizer:
         on by default and in Llama 2's tokenizer; the BPE trained here has it off)."""
         return self._sp.Normalize("x").startswith("\u2581")  # the normalizer itself, whatever the vocabulary
 
+    def normalize(self, text: str) -> str:
+        """The text as the model's normalizer hands it to the segmenter (spaces shown as "\u2581")."""
+        return self._sp.Normalize(text)
+
     def encode(self, text: str) -> list[int]:
         return self._sp.Encode(text)
 

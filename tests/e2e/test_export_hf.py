@@ -114,3 +114,19 @@ def test_a_bad_checkpoint_or_a_used_output_folder_is_one_error_line(tmp_path: Pa
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr
         assert fragment in lines[0], lines[0]
+
+
+def test_a_tokenizer_transformers_reads_otherwise_is_refused_unless_left_out(tmp_path: Path, checkpoint_of,
+                                                                              monkeypatch, capsys) -> None:
+    """The refusal's wiring (which tokenizers differ is tests/unit/test_export_tokenizer.py's): nothing is
+    written, and --no-tokenizer exports the weights and config alone."""
+    import scripts.export_hf as export_hf
+
+    monkeypatch.setattr(export_hf, "tokenization_difference", lambda tokenizer: "'x  y' differs")
+    ckpt = checkpoint_of("single")
+    assert export_hf.main([str(ckpt), str(tmp_path / "refused")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "'x  y' differs" in line and "--no-tokenizer" in line, line
+    assert not (tmp_path / "refused").exists()
+    assert export_hf.main([str(ckpt), str(tmp_path / "weights"), "--no-tokenizer"]) == 0
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["config.json", "model.safetensors"]

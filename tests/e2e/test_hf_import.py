@@ -113,6 +113,11 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
         ("string_rope", lambda c: c | {"rope_parameters": "x"}, "config.json's rope_parameters='x' is not an object"),
         ("string_size", lambda c: c | {"hidden_size": str(c["hidden_size"])},
          f"hidden_size='{args.dim}' vs model.dim={args.dim}"),
+        # The older spelling "type" asks for scaling too (transformers reads it): never trained unscaled.
+        ("legacy_type", lambda c: c | {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+         "rope_parameters asks for 'linear' RoPE scaling"),
+        ("v4_scaling", lambda c: c | {"rope_scaling": {"type": "llama3", "factor": 8.0}},
+         "rope_scaling asks for 'llama3' RoPE scaling"),
     ):
         tiny_llama(tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
@@ -134,6 +139,11 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
             check_hf_folder(tmp_path / name, args)
         assert "checkpoint.init_from_hf=" in str(e.value) and "\n" not in str(e.value)
     tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding stands in
+    check_hf_folder(tmp_path / "tied", args)
+    # What transformers computes the same way imports: default RoPE named explicitly, "swish" for silu.
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(
+        config | {"rope_scaling": {"rope_type": "default"}, "hidden_act": "swish"}))
     check_hf_folder(tmp_path / "tied", args)
     # No tokenizer.model in the folder: the weights' ids are unknown, so data.tokenizer must name them.
     with pytest.raises(ConfigError, match="tied has no tokenizer.model: set data.tokenizer to the sentencepiece"):
