@@ -83,14 +83,13 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
 # runs of whitespace collapsed) changes what transformers' Llama tokenizer, which only turns spaces into
 # "\u2581" (and prefixes one where the model does), hands to the segmenter.
 NORMALIZATION_PROBES = ("a\n    b", "x  y", "trail ", "\uff46\uff55\uff4c\uff4c", "\ufb01", "e\u0301")
-UNKNOWN_PROBE = "\u2603"  # a character few vocabularies hold
 
 
 def tokenization_difference(tokenizer: Tokenizer) -> str | None:
     """Where transformers would tokenize text otherwise than training did (None: nowhere probed)."""
-    if tokenizer.unk_id in tokenizer.encode(UNKNOWN_PROBE):  # no byte fallback
-        return (f"{UNKNOWN_PROBE!r}, outside the vocabulary, is <unk> for training (the model has no byte "
-                "fallback) and dropped by transformers")
+    if not tokenizer.has_byte_fallback:
+        return ("the model has no byte fallback: text outside its vocabulary is <unk> for training, and "
+                "transformers drops it")
     prefix = "\u2581" if tokenizer.adds_prefix_space else ""
     for text in NORMALIZATION_PROBES:
         ours, theirs = tokenizer.normalize(text), prefix + text.replace(" ", "\u2581")

@@ -12,8 +12,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REQUIRE_TE=0
-if [ "${1:-}" = "--require-te" ]; then REQUIRE_TE=1; shift; fi
-OUT=${1:-dump/gpu_check}
+OUT=dump/gpu_check
+for arg in "$@"; do
+  case "$arg" in
+    --require-te) REQUIRE_TE=1 ;;
+    -*) echo "gpu_check: unknown option $arg (usage: gpu_check.sh [--require-te] [OUT_DIR])" >&2; exit 1 ;;
+    *) OUT=$arg ;;
+  esac
+done
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then

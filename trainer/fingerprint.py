@@ -92,6 +92,9 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
         "compute_dtype": compute_dtype,
         "optim.decay_steps": cfg.optim.decay_end(cfg.steps),
         "global_batch_size": global_batch,
+        # Under CP attention is CP's own, whatever model.efficient_attn says (a no-op there, see validate).
+        "model.efficient_attn": cfg.model.efficient_attn if cfg.context_parallel_size == 1
+        else get_key(TrainConfig(), "model.efficient_attn"),
     }
 
 
@@ -145,6 +148,6 @@ def _hint(key: str, saved: dict[str, Any], current: dict[str, Any]) -> str:
     old = saved.get(key)
     if key == "optim.decay_steps" and old < current.get("optim.warmup_steps", 0):
         # Such a schedule ended inside its warmup: there is no decay to continue (validate refuses it).
-        return (f"where the LR decay ends: the saved run ended at step {old}, inside its warmup of "
-                f"{current['optim.warmup_steps']} steps, so it has no decay to continue")
+        return (f"where the LR decay ends: the saved run ended at step {old}, inside the warmup of "
+                f"{current['optim.warmup_steps']} steps configured now, so there is no decay to continue")
     return _HINTS.get(key, "").format(old=old)

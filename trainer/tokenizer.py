@@ -65,6 +65,12 @@ class Tokenizer:
         on by default and in Llama 2's tokenizer; the BPE trained here has it off)."""
         return self._sp.Normalize("x").startswith("\u2581")  # the normalizer itself, whatever the vocabulary
 
+    @property
+    def has_byte_fallback(self) -> bool:
+        """Whether text outside the vocabulary becomes its UTF-8 bytes (sentencepiece adds the 256 byte
+        pieces only with byte_fallback) rather than <unk>."""
+        return any(self._sp.IsByte(i) for i in range(self._sp.GetPieceSize()))
+
     def normalize(self, text: str) -> str:
         """The text as the model's normalizer hands it to the segmenter (spaces shown as "\u2581")."""
         return self._sp.Normalize(text)

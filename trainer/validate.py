@@ -196,6 +196,8 @@ def _check_fp8(cfg: TrainConfig) -> None:
             )
 
 
+TE_MIN_MAJOR = 2  # as the te extra in pyproject.toml requires
+
 # Keys that change nothing unless another key allows it: set away from the default without it, they
 # would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
 _NEEDS = (
@@ -222,7 +224,7 @@ def _check_keys_with_effect(cfg: TrainConfig) -> None:
 _LAYOUT_NOOPS = (
     ("optimize_backward_concat", "more than one microbatch", lambda c, d: c.num_microbatches > 1),
     ("grad_reduce", "more than one microbatch", lambda c, d: c.num_microbatches > 1),
-    ("reshard_after_forward", "more than one rank per FSDP shard group", lambda c, d: d.dp_shard > 1),
+    ("reshard_after_forward", "more than one rank per FSDP shard group", lambda c, d: d.dp_shard * d.cp > 1),
     ("model.sequence_parallel", "model_parallel_size > 1", lambda c, d: d.tp > 1),
     ("context_parallel_comm", "context_parallel_size > 1", lambda c, d: d.cp > 1),
     ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)", lambda c, d: d.cp == 1),
@@ -262,6 +264,12 @@ def _check_transformer_engine(cfg: TrainConfig) -> None:
                           f"device (use the in-tree fp8 with model.use_te_layers=false, or {install})")
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError(f"model.use_te_layers=true needs TransformerEngine, which is not installed: {install}")
+    import transformer_engine
+
+    version = getattr(transformer_engine, "__version__", "0")
+    if int(version.split(".")[0]) < TE_MIN_MAJOR:
+        raise ConfigError(f"model.use_te_layers=true needs TransformerEngine {TE_MIN_MAJOR}.0 or later (its scaling "
+                          f"state and recipe as model/te.py uses them); the installed one is {version}: {install}")
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:

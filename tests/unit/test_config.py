@@ -1,5 +1,6 @@
 """Config parsing and the static rules: every key of the contract exists, bad values are one line."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,9 @@ def test_keys_a_layout_makes_no_ops_are_accepted_and_named_in_the_log():
         "model.sequence_parallel=true changes nothing on this layout: it needs model_parallel_size > 1",
         "context_parallel_comm=ring changes nothing on this layout: it needs context_parallel_size > 1",
     ]
+    # FSDP shards over dp_shard x cp: with two CP ranks, reshard_after_forward=false is ZeRO-2 there.
+    cp_only = load(*overrides, "microbatch_size=4", "context_parallel_size=2")
+    assert not any(n.startswith("reshard_after_forward") for n in layout_noops(cp_only, validate(cp_only, world_size=2)))
     wide = load(*overrides, "model_parallel_size=2", "context_parallel_size=2")
     assert layout_noops(wide, validate(wide, world_size=8)) == [
         "model.efficient_attn=math changes nothing on this layout: it needs context_parallel_size=1 (CP computes "
@@ -197,3 +201,21 @@ def test_dump_dir_expands_home_as_the_shell_would():
     """Quoted (`dump_dir='~/runs/a'`) or composed, `~` reaches the config unexpanded; data paths expand it."""
     assert from_dict({"dump_dir": "~/runs/a"}).dump_dir == str(Path.home() / "runs" / "a")
     assert from_dict({"dump_dir": "runs/~a"}).dump_dir == "runs/~a"
+
+
+@pytest.mark.parametrize("version, accepted", [("1.12.0", False), ("2.0.0", True), ("2.20.2", True)])
+def test_te_layers_need_transformer_engine_2(monkeypatch, request, version, accepted):
+    """model/te.py uses TE 2.x's scaling state and recipe; an older TE (e.g. in an older container) is named."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fake_te"))
+    import transformer_engine
+
+    request.addfinalizer(lambda: sys.modules.pop("transformer_engine", None))  # the stand-in stays in this test
+
+    monkeypatch.setattr(transformer_engine, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load("model.use_te_layers=true", "model.use_fp8=true")
+    if accepted:
+        validate(cfg, world_size=1)
+    else:
+        with pytest.raises(ConfigError, match="needs TransformerEngine 2.0 or later .* the installed one is 1.12.0"):
+            validate(cfg, world_size=1)

@@ -9,7 +9,7 @@ import transformers
 
 from model.hf import hf_config
 from model.args import ModelArgs
-from scripts.export_hf import NORMALIZATION_PROBES, UNKNOWN_PROBE, tokenization_difference, write_tokenizer
+from scripts.export_hf import NORMALIZATION_PROBES, tokenization_difference, write_tokenizer
 from trainer.tokenizer import Tokenizer
 
 TEXT = "the pipeline shards the gradient\n" * 40 + "tokens per rank and per step\n" * 40
@@ -35,11 +35,10 @@ def test_custom_special_tokens_reach_transformers(tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<bos>"
 
 
-
 def test_a_tokenizer_transformers_would_read_otherwise_is_not_exported(tmp_path):
     """sentencepiece's default normalization (NFKC, runs of whitespace collapsed) is not what transformers'
     Llama tokenizer applies, and without byte fallback transformers drops what training sees as <unk>:
-    the probes find a text whose ids differ, where the identity with byte fallback (ours) agrees on all."""
+    both are named, where the identity with byte fallback (ours) agrees on every probe."""
     (tmp_path / "corpus.txt").write_text(TEXT)
     identity = {"normalization_rule_name": "identity", "remove_extra_whitespaces": False}
     agree = {}
@@ -52,7 +51,7 @@ def test_a_tokenizer_transformers_would_read_otherwise_is_not_exported(tmp_path)
         write_tokenizer(tokenizer, tmp_path / name)
         hf = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
         agree[name] = all(hf(text).input_ids[1:] == tokenizer.encode(text)
-                          for text in (*NORMALIZATION_PROBES, UNKNOWN_PROBE))
+                          for text in (*NORMALIZATION_PROBES, "\u2603 \u20ac"))
         difference = tokenization_difference(tokenizer)
         assert (difference is None) == agree[name], (name, difference)
     assert agree == {"ours": True, "nfkc": False, "no_fallback": False}

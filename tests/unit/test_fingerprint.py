@@ -149,5 +149,15 @@ def test_a_longer_run_is_told_how_to_keep_the_schedule_only_when_it_can(tmp_path
     with pytest.raises(ConfigError) as err:
         check_resumable(_saved(tmp_path, run_of(3, warmup_steps=10)), run_of(4, warmup_steps=10), allowed=[])
     assert "optim.decay_steps=3" not in str(err.value)
-    assert "ended at step 3, inside its warmup of 10 steps" in str(err.value)
+    assert "ended at step 3, inside the warmup of 10 steps configured now" in str(err.value)
     assert "resume.allow_changed=[optim.decay_steps]" in str(err.value)
+
+
+def test_a_kernel_key_a_layout_ignores_is_not_part_of_the_run():
+    """model.efficient_attn does nothing under CP: a resume without it is the same run."""
+    def cp_run(**model) -> dict:
+        cfg = from_dict({"model": {"name": "tiny", **model}, "context_parallel_size": 2})
+        return run_fingerprint(cfg, "float32", 8, "a" * 64, DATA)
+
+    assert cp_run(efficient_attn="math") == cp_run()
+    assert _fingerprint(efficient_attn="math") != _fingerprint()

@@ -9,7 +9,8 @@ in forward, and an autocast region with a recipe and an amax reduction group.
 fp8 is modelled by TE's delayed-scaling state, not by fp8 GEMMs: inside an enabled region each linear
 keeps `fp8_meta["scaling_fwd"]` (input, weight, output) and `fp8_meta["scaling_bwd"]` (output
 gradient, input gradient), each a scale and an amax history, created by `init_fp8_metadata` at its
-first fp8 forward. The weight's cast is made on the first microbatch and reused by the others. Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
+first fp8 forward. The weight's cast is made on the first microbatch and reused by the others.
+Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
 under HYBRID) and their amaxes recorded. As in TE, the outermost enabled region's exit reduces the
 forward amaxes in one all-reduce (max) over the amax group and updates scales and histories as
 DelayedScaling does, and the backward of the region's first fp8 module (its last backward) does the same
