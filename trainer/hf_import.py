@@ -63,6 +63,11 @@ def _open_safetensors(folder: Path, path: Path):
 _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu", "swish")}
 
 
+# What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
+# key/value heads defaults to the number of heads).
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+
+
 def check_hf_folder(folder: Path, args: ModelArgs) -> None:
     """Before any process group: the folder imports into the configured model, or one error line."""
     config = read_hf_config(folder)
@@ -107,8 +112,9 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
                           "second): make them agree")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     sizes_given = all(type(n) is int and n > 0 for n in (hidden, heads))  # else named below as they differ
-    config = {"head_dim": hidden // heads if sizes_given else None,
-              "rope_theta": rope.get("rope_theta")} | {k: v for k, v in config.items() if v is not None}
+    config = {"head_dim": hidden // heads if sizes_given else None, "num_key_value_heads": heads,
+              **_LLAMA_DEFAULTS, "rope_theta": rope.get("rope_theta", _LLAMA_DEFAULTS["rope_theta"])} | {
+        k: v for k, v in config.items() if v is not None}
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
               for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
     if differ:

@@ -118,6 +118,11 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
          "rope_parameters asks for 'linear' RoPE scaling"),
         ("v4_scaling", lambda c: c | {"rope_scaling": {"type": "llama3", "factor": 8.0}},
          "rope_scaling asks for 'llama3' RoPE scaling"),
+        # Fields left out mean what transformers' LlamaConfig takes for them, named as such.
+        ("no_kv_heads", lambda c: {k: v for k, v in c.items() if k != "num_key_value_heads"},
+         f"num_key_value_heads={args.n_heads} vs model.n_kv_heads={args.n_kv_heads}"),
+        ("no_eps", lambda c: {k: v for k, v in c.items() if k != "rms_norm_eps"},
+         f"rms_norm_eps=1e-06 vs model.norm_eps={args.norm_eps}"),
     ):
         tiny_llama(tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
@@ -144,6 +149,10 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     config = json.loads((tmp_path / "tied" / "config.json").read_text())
     (tmp_path / "tied" / "config.json").write_text(json.dumps(
         config | {"rope_scaling": {"rope_type": "default"}, "hidden_act": "swish"}))
+    check_hf_folder(tmp_path / "tied", args)
+    assert args.rope_theta == 10000.0  # transformers' default: a config.json may leave it out
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k not in ("rope_theta", "rope_parameters")}))
     check_hf_folder(tmp_path / "tied", args)
     # No tokenizer.model in the folder: the weights' ids are unknown, so data.tokenizer must name them.
     with pytest.raises(ConfigError, match="tied has no tokenizer.model: set data.tokenizer to the sentencepiece"):
