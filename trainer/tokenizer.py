@@ -67,9 +67,9 @@ class Tokenizer:
 
     @property
     def has_byte_fallback(self) -> bool:
-        """Whether text outside the vocabulary becomes its UTF-8 bytes (sentencepiece adds the 256 byte
-        pieces only with byte_fallback) rather than <unk>."""
-        return any(self._sp.IsByte(i) for i in range(self._sp.GetPieceSize()))
+        """Whether text outside the vocabulary becomes its UTF-8 bytes rather than <unk>: sentencepiece
+        adds the 256 byte pieces, <0x00> to <0xFF>, only with byte_fallback."""
+        return self._sp.IsByte(self._sp.PieceToId("<0x00>"))
 
     def normalize(self, text: str) -> str:
         """The text as the model's normalizer hands it to the segmenter (spaces shown as "\u2581")."""
