@@ -2,6 +2,6 @@
 
 from parallel.fsdp.norms import grad_norm, unit_norms
 from parallel.fsdp.root import FSDPRoot, fully_shard
-from parallel.fsdp.unit import FSDPConfig, FSDPUnit, TPGroups, UnitState
+from parallel.fsdp.unit import CONCAT_EVENT, FSDPConfig, FSDPUnit, TPGroups, UnitState
 
-__all__ = ["FSDPConfig", "FSDPRoot", "FSDPUnit", "TPGroups", "UnitState", "fully_shard", "grad_norm", "unit_norms"]
+__all__ = ["CONCAT_EVENT", "FSDPConfig", "FSDPRoot", "FSDPUnit", "TPGroups", "UnitState", "fully_shard", "grad_norm", "unit_norms"]

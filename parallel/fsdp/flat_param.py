@@ -62,7 +62,7 @@ def shard_of(flat: torch.Tensor, spec: FlatParamSpec, rank: int) -> torch.Tensor
 
 
 def split_views(flat: torch.Tensor, spec: FlatParamSpec) -> list[torch.Tensor]:
-    """Per-parameter views of an unsharded flat tensor; autograd concatenates their grads back."""
+    """Per-parameter views of an unsharded flat tensor (in spec order)."""
     return [chunk.view(shape) for chunk, shape in zip(torch.split(flat[: spec.total], spec.numels), spec.shapes)]
 
 

@@ -15,7 +15,7 @@ scaled by the global token count, so every reduction is a SUM.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,31 +28,44 @@ if TYPE_CHECKING:
 Stages = Generator[None, None, torch.Tensor]
 
 
-def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int = 0) -> None:
-    """Add a (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`.
-
-    A whole flat gradient arriving first is adopted (no zero-filled buffer to pay for); per-view
-    gradients (optimize_backward_concat's non-last microbatches) start from zeros, so a parameter
-    that got no gradient contributes nothing.
-    """
+def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int) -> None:
+    """Add one parameter's (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`
+    (optimize_backward_concat's cut views); the accumulator starts from zeros, so a parameter that got
+    no gradient contributes nothing."""
     if unit.grad_accumulator is None:
-        if grad.numel() == unit.spec.padded:
-            unit.grad_accumulator = grad.to(torch.float32)
-            return
         unit.grad_accumulator = torch.zeros(unit.spec.padded, dtype=torch.float32, device=grad.device)
-    unit.grad_accumulator[offset : offset + grad.numel()].add_(grad.reshape(-1))
+    unit.grad_accumulator[offset : offset + grad.numel()].view(grad.shape).add_(grad)
 
 
-def unsharded_grad(unit: FSDPUnit, grad: torch.Tensor | None) -> torch.Tensor:
-    """The flat gradient to reduce, in fp32: this microbatch's (None: no parameter of the unit got one)
-    plus what earlier microbatches accumulated; the accumulator is handed over."""
-    if grad is not None and unit.grad_accumulator is not None:
-        accumulate_unsharded(unit, grad)
-        grad = None
+def write_flat_grad(unit: FSDPUnit, grads: Sequence[torch.Tensor | None]) -> None:
+    """The concat of a connected backward: every parameter's gradient written, in one pass, into its
+    slice of the fp32 flat accumulator, added in place when earlier microbatches left one, else into
+    a new one (padding and parameters without a gradient zeroed). No compute-dtype concat and no
+    separate accumulation pass: the step's flat gradient never exists twice.
+
+    A new accumulator gets 0 + grad rather than a copy, so a -0.0 becomes +0.0 exactly as in the
+    zero-started accumulator of cut views: optimize_backward_concat on and off agree to the bit."""
+    fresh = unit.grad_accumulator is None
+    if fresh:
+        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+        unit.grad_accumulator[unit.spec.total :].zero_()
+    for offset, numel, grad in zip(unit.spec.offsets(), unit.spec.numels, grads):
+        piece = unit.grad_accumulator[offset : offset + numel]
+        if grad is None:
+            if fresh:
+                piece.zero_()
+        elif fresh:
+            torch.add(grad, 0.0, out=piece.view(grad.shape))
+        else:
+            piece.view(grad.shape).add_(grad)
+
+
+def unsharded_grad(unit: FSDPUnit) -> torch.Tensor:
+    """The flat gradient to reduce, in fp32: everything this step's microbatches accumulated (zeros if no
+    parameter of the unit got a gradient); the accumulator is handed over."""
     flat, unit.grad_accumulator = unit.grad_accumulator, None
     if flat is None:
-        flat = grad.to(torch.float32) if grad is not None else torch.zeros(
-            unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+        flat = torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
     return flat
 
 

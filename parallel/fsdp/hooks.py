@@ -5,7 +5,6 @@ pre_forward  : unshard (or land the prefetch), install views, prefetch the next 
 post_forward : expect a gradient, hook the outputs for pre_backward, reshard (ZeRO-3)
 pre_backward : unshard (or land the prefetch), prefetch the previous unit, and queue a callback at the
                end of the whole backward, the fallback end for units whose inputs need no gradient
-on_full_grad : the concatenated gradient of a connected backward is ready -> keep it or accumulate it
 end_of_backward : this forward's backward is over (whichever of the two comes first) -> when this
                microbatch reduces (the last; every one with grad_reduce=per_microbatch) start the
                reduction (asynchronous, root.reductions), then reshard (ZeRO-3)
@@ -31,7 +30,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
 from parallel import comm
-from parallel.fsdp.grad_sync import accumulate_unsharded, reduce_gradient, unsharded_grad
+from parallel.fsdp.grad_sync import reduce_gradient, unsharded_grad
 
 if TYPE_CHECKING:
     from parallel.fsdp.root import FSDPRoot
@@ -65,7 +64,6 @@ class _EndOfBackward(torch.autograd.Function):
 def register_hooks(unit: FSDPUnit, root: FSDPRoot) -> None:
     unit.module.register_forward_pre_hook(partial(pre_forward, unit, root))
     unit.module.register_forward_hook(partial(post_forward, unit, root))
-    unit.full.register_post_accumulate_grad_hook(partial(on_full_grad, unit))
 
 
 def in_backward() -> bool:
@@ -130,17 +128,6 @@ def pre_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket, grad: t
         Variable._execution_engine.queue_callback(partial(end_of_backward, unit, root, ticket))
 
 
-def on_full_grad(unit: FSDPUnit, full: torch.Tensor) -> None:
-    grad, full.grad = full.grad, None
-    if unit.reduces_now:
-        if unit.ticket.done:  # never reduce a gradient without it
-            raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended (a unit "
-                               f"called twice in one forward, or two backwards through one forward, is not supported)")
-        unit.pending_grad = grad  # reduced at the end of the unit's backward
-    else:
-        accumulate_unsharded(unit, grad)
-
-
 def end_of_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket) -> None:
     """The backward of one forward of the unit is over: start reducing when this microbatch reduces (a
     collective every rank reaches, used parameters or not), then reshard."""
@@ -148,8 +135,7 @@ def end_of_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket) -> N
         return
     ticket.done = True
     if unit.reduces_now:
-        grad, unit.pending_grad = unit.pending_grad, None
-        flat_grad = unsharded_grad(unit, grad)
+        flat_grad = unsharded_grad(unit)
         unit.release_main_grads()
         reduction = reduce_gradient(unit, flat_grad, unit.is_last_microbatch)
         root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())

@@ -6,11 +6,12 @@ An explicit state machine with small named transitions:
 
 While SHARDED only the fp32 shard (`flat_param`, what the optimizer sees) exists. Unsharding casts
 the shard to the compute dtype and all-gathers it into `_buffer`; the module's parameters become
-views of `_full`, an autograd leaf over that buffer, so the backward of all views ends in ONE
-concat (SplitWithSizesBackward) into `_full.grad`. Resharding frees the buffer's storage; saved
-views keep aliasing it, so re-gathering before backward makes them valid again.
+views of `_full`, an autograd leaf over that buffer, made by one autograd function whose backward
+writes all of their gradients into the unit's fp32 flat gradient (the concat). Resharding frees the
+buffer's storage; saved views keep aliasing it, so re-gathering before backward makes them valid again.
 """
 
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from functools import partial
@@ -25,7 +26,7 @@ from parallel.fsdp.flat_param import (
     FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
-from parallel.fsdp.grad_sync import accumulate_unsharded
+from parallel.fsdp.grad_sync import accumulate_unsharded, write_flat_grad
 from parallel.fsdp.state_dict import TPSplit, fill_shard
 
 
@@ -132,7 +133,6 @@ class FSDPUnit:
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
         self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
-        self.pending_grad: torch.Tensor | None = None  # a flat gradient to reduce at the backward's end
         self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
 
     def _initial_shard(self, init: Initializer) -> torch.Tensor:
@@ -222,16 +222,16 @@ class FSDPUnit:
     def install_views(self) -> None:
         """Point the module's parameters at views of the unsharded flat parameter.
 
-        Connected views have their gradients concatenated into `_full.grad` (one SplitWithSizesBackward).
-        With optimize_backward_concat that happens once per step, on the last microbatch, whose flat
-        gradient is added to the fp32 accumulator and reduced; on the earlier microbatches the views are
+        Connected views have their gradients written into the unit's fp32 flat gradient accumulator by
+        one backward (_ConnectedViews). With optimize_backward_concat that happens once per step, on the
+        last microbatch, whose flat gradient is then reduced; on the earlier microbatches the views are
         cut from the flat parameter and each view's gradient lands in its own leaf, where a hook adds it
         in place into the accumulator, with no concat. Without the option, or when every microbatch
         reduces its own gradient (grad_reduce=per_microbatch), the views are connected on every microbatch.
         """
         cut = self.cfg.optimize_backward_concat and self.cfg.grad_reduce == "last_microbatch"
         if self.is_last_microbatch or not cut:
-            views = split_views(self._full, self.spec)
+            views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _DetachedViews(self).views
         for (sub, attr), view in zip(self._owners, views):
@@ -254,6 +254,13 @@ class FSDPUnit:
             piece = self.grad_accumulator[offsets[i] : offsets[i] + self.spec.numels[i]]
             views[i].main_grad = piece.view(self.spec.shapes[i])
             self._main_grad_views.append(views[i])
+
+    def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """A connected backward's parameter gradients (None: the parameter got none) are ready."""
+        if self.reduces_now and self.ticket.done:  # never reduce a gradient without it
+            raise RuntimeError(f"FSDP unit {self.name}: a gradient arrived after the unit's backward ended (a unit "
+                               f"called twice in one forward, or two backwards through one forward, is not supported)")
+        write_flat_grad(self, grads)
 
     def record_fp8_weight_amaxes(self) -> None:
         """Each fp8 GEMM whose weight lives here records the amax of its piece of this rank's shard."""
@@ -305,15 +312,37 @@ def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | 
             module.get_submodule(owner)._buffers[attr] = init.buffer(f"{unit_name}.{name}", buf)
 
 
+class _ConnectedViews(torch.autograd.Function):
+    """The parameter views of the unsharded flat parameter, connected to it in autograd: the engine
+    collects every view's gradient and runs one backward, which hands them to the unit (the concat).
+    The node holds the unit weakly: the installed views hold the node, the module holds the views, and
+    a cycle through an autograd node is invisible to the garbage collector, so a strong reference would
+    keep the unit, and its process groups, alive past their destruction."""
+
+    @staticmethod
+    def forward(ctx, unit: FSDPUnit, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit = weakref.ref(unit)
+        ctx.set_materialize_grads(False)  # a parameter without a gradient stays None: no zeros to allocate
+        return tuple(split_views(full, unit.spec))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[None, None]:
+        ctx.unit().receive_view_grads(grads)
+        return None, None
+
+
+CONCAT_EVENT = f"{_ConnectedViews.__name__}Backward"  # the concat's name in autograd profiles
+
+
 class _DetachedViews:
     """Views cut from the flat parameter in autograd: the split runs under no_grad, each chunk is made
     a grad-requiring leaf, and the view() op runs outside no_grad so the view has a grad_fn (a view
     built entirely under no_grad would silently drop its gradient). Each chunk's gradient is added to
     the accumulator as it arrives; a chunk that gets none adds nothing. Only non-last microbatches, which
-    never reduce, get these views."""
+    never reduce, get these views. They hold the unit weakly, as _ConnectedViews does."""
 
     def __init__(self, unit: FSDPUnit):
-        self.unit = unit
+        self.unit = weakref.ref(unit)
         with torch.no_grad():
             chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
         self.views = []
@@ -325,5 +354,5 @@ class _DetachedViews:
     def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
         if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
             return
-        accumulate_unsharded(self.unit, chunk.grad, offset)
+        accumulate_unsharded(self.unit(), chunk.grad, offset)
         chunk.grad = None

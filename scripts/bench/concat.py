@@ -1,7 +1,7 @@
 """optimize_backward_concat on vs off, side by side: step time and flat-gradient concats per step.
 
 Without the option every microbatch's backward concatenates its per-parameter gradients into the
-unit's flat gradient (autograd's SplitWithSizesBackward) and adds it to the fp32 accumulator; with it,
+unit's fp32 flat gradient accumulator (one autograd node, `CONCAT_EVENT`, per unit); with it,
 only the last microbatch concatenates and the earlier ones add each parameter's gradient straight into
 the accumulator. Both give bitwise-identical losses (checked here too).
 
@@ -28,6 +28,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.autograd.profiler import profile  # noqa: E402
 
 from parallel import comm  # noqa: E402
+from parallel.fsdp import CONCAT_EVENT  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from scripts.bench.trainer_step import RandomTokens, step_bench_options  # noqa: E402
@@ -48,8 +49,7 @@ def bench_config(model: str, seq: int, microbatches: int, optimize: bool) -> Tra
 def count_concats(trainer, step: int) -> int:
     with profile(record_shapes=True) as prof:
         trainer.train_step(step)
-    return sum(1 for e in prof.function_events
-               if e.name == "SplitWithSizesBackward0" and all(len(s) == 1 for s in e.input_shapes))
+    return sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
 
 
 def timed_step(trainer, step: int) -> tuple[float, float]:

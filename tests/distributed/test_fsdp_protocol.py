@@ -1,6 +1,8 @@
 """The microbatch protocol: one concat per unit per step, bitwise on/off, no silent gradient loss,
 checkpointing without extra all-gathers, sharded memory, and the global grad norm."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import parallel.fsdp.unit as fsdp_unit
 from parallel import comm
-from parallel.fsdp import FSDPConfig, grad_norm
+from parallel.fsdp import CONCAT_EVENT, FSDPConfig, grad_norm
 from parallel.fsdp.hooks import in_backward
 from tests.distributed.fsdp_cases import ARGS, GLOBAL_BATCH, SEQ, UNITS, global_batch, loss_sum, make_model, train_fsdp
 from tests.distributed.spawn import run_ranks
@@ -24,27 +26,33 @@ def _world_groups():
 
 
 def _concats_per_step(optimize: bool) -> int:
-    """Flat-gradient concats the autograd engine executed in one step: SplitWithSizesBackward nodes
-    over 1-D gradients (the flat parameter's chunks), not the model's own splits of activations."""
+    """Flat-gradient concats the autograd engine executed in one step: backward nodes of the connected
+    parameter views, and no SplitWithSizesBackward over the flat parameter's 1-D chunks either."""
     shard, rep, rank, world = _world_groups()
     with profile(record_shapes=True) as prof:
         train_fsdp(FSDPConfig(optimize_backward_concat=optimize), shard, rep, rank, world, M, 1)
-    return sum(
-        1 for e in prof.function_events
-        if e.name == "SplitWithSizesBackward0" and all(len(shape) == 1 for shape in e.input_shapes)
-    )
+    assert not any(e.name == "SplitWithSizesBackward0" and all(len(shape) == 1 for shape in e.input_shapes)
+                   for e in prof.function_events)
+    return sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
 
 
 def _check_concats(rank: int, world: int) -> None:
     assert _concats_per_step(optimize=True) == len(UNITS)
     assert _concats_per_step(optimize=False) == len(UNITS) * M
-    # The one concat is the last microbatch's: earlier ones are cut, the flat parameter gets no gradient.
+    # The one concat is the last microbatch's (earlier ones are cut), and it adds the view gradients into
+    # the accumulator the earlier microbatches filled, in place: no second unit-sized flat gradient.
     shard, rep, rank, world = _world_groups()
     marks: list[tuple[str, bool]] = []
 
     def record_flat_grads(root) -> None:
         for unit in root.units:
-            unit.full.register_post_accumulate_grad_hook(lambda _, u=unit: marks.append((u.name, u.is_last_microbatch)))
+            unit.receive_view_grads = partial(record_then_receive, unit, unit.receive_view_grads)
+
+    def record_then_receive(unit, receive, grads) -> None:
+        accumulator = unit.grad_accumulator
+        receive(grads)
+        assert unit.grad_accumulator is accumulator is not None, unit.name
+        marks.append((unit.name, unit.is_last_microbatch))
 
     train_fsdp(FSDPConfig(optimize_backward_concat=True), shard, rep, rank, world, M, 1, on_root=record_flat_grads)
     assert sorted(marks) == sorted((name, True) for name in UNITS), marks

@@ -8,6 +8,7 @@ import pytest
 from torch.autograd.profiler import profile
 
 from parallel import comm
+from parallel.fsdp import CONCAT_EVENT
 from tests.distributed.pipeline_cases import (
     MODEL, SEQ, assert_matches, config, expected_p2p, make_trainer, read_references, reference_of, train,
     write_references,
@@ -64,8 +65,7 @@ def _check_one_concat_per_unit(rank: int, world: int) -> None:
                      num_layers_per_virtual_pipeline_stage=2, optimize_backward_concat=optimize)
         with profile(record_shapes=True) as prof:
             trainer, _ = train(cfg, world)
-        concats = sum(1 for e in prof.function_events
-                      if e.name == "SplitWithSizesBackward0" and all(len(s) == 1 for s in e.input_shapes))
+        concats = sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
         units = sum(len(root.units) for root in trainer.roots)
         assert concats == units * (1 if optimize else cfg.num_microbatches), (optimize, concats, units)
 
