@@ -41,7 +41,12 @@ processes, one spawn per configuration; the table gives the max over ranks of th
 increment over the same rank's ru_maxrss just before the model is built (torch + gloo baseline; every
 configuration first builds a throwaway torch AdamW, whose import of torch._dynamo would otherwise
 count against FSDP2, DDP and the limit only). The peak includes building the full model on every
-rank, as all three do.
+rank, as all three do. RSS high-water marks also carry the C allocator's arenas and fragmentation,
+which move them by tens of MiB between runs of the same code; "peak tensor" is steadier: the most
+tensor bytes alive at once during the steps (the CPU allocator's running total, as torch's profiler
+records it from before the model is built; fresh processes, --memory-repeats per configuration, median
+and range), the CPU analog of CUDA's max_memory_allocated. Gloo's own scratch memory is counted where gloo allocates
+tensors (its reduce-scatter on CPU is an all-reduce of a copy), on its threads, so it depends on timing.
 
     python scripts/bench/fsdp.py [--model tiny|small] [--world 4] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
 
@@ -57,13 +62,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from model.args import ModelArgs  # noqa: E402
 from parallel import comm  # noqa: E402
@@ -76,6 +84,7 @@ from trainer.config import from_dict  # noqa: E402
 CONFIGS = (Config("ours", False), Config("fsdp2", False), Config("ours", True), Config("fsdp2", True),
            Config("ours", True, in_flight=0), Config("ours", True, grad_reduce="per_microbatch"), Config("ddp"),
            Config("limit"), Config("comm", True))
+STEP_MARK = "bench_step"  # a profiler range around each step, to find where the steps begin
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
@@ -143,7 +152,7 @@ def global_losses(gathered: list, args: ModelArgs, microbatches: int) -> dict[Co
     return {cfg: sum(losses[cfg] for _, losses in gathered) / tokens for cfg in CONFIGS}
 
 
-# --- phase 2: peak RSS, one fresh set of processes per configuration ------------------------------
+# --- phase 2: peak memory, fresh processes per configuration --------------------------------------
 def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: int, steps: int) -> dict:
     mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
     # torch.optim.AdamW's first construction imports torch._dynamo (~30 MiB of RSS); ours never builds
@@ -155,6 +164,24 @@ def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: 
         runner.step(rank_batch(args, microbatches, step, rank))
     gathered = comm.all_gather_object((maxrss_mib(), baseline), comm.world())
     return {"peak": max(p for p, _ in gathered), "increment": max(p - b for p, b in gathered)}
+
+
+def peak_tensors(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: int, steps: int) -> float:
+    """The most tensor bytes (MiB) alive at once during the steps, over ranks: the CPU allocator's
+    running total as the profiler records it from before the model is built (so it counts everything
+    the run allocates), the CPU analog of CUDA's max_memory_allocated."""
+    mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner = build(cfg, args, microbatches, mesh)
+        for step in range(steps):
+            with record_function(STEP_MARK):
+                runner.step(rank_batch(args, microbatches, step, rank))
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    start = min(e["ts"] for e in events if e.get("name") == STEP_MARK)
+    peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and e["ts"] >= start)
+    return max(comm.all_gather_object(peak / 2**20, comm.world()))
 
 
 def check_losses_agree(losses: dict[Config, float]) -> str:
@@ -191,11 +218,18 @@ def comm_cell(ops: dict[str, dict[str, int]]) -> tuple[str, str]:
     return f"{sum(v['bytes'] for v in ops.values()) / 2**20:.2f}", counts
 
 
+def spread(values: list[float]) -> str:
+    """Median, and the range where repeats differ (gloo's threads free tensors at timing-dependent points)."""
+    low, high = min(values), max(values)
+    return f"{statistics.median(values):.1f}" + (f" ({low:.1f}-{high:.1f})" if high - low >= 0.1 else "")
+
+
 def table(timing: dict, memory: dict[Config, dict]) -> str:
     lines = [
         "| config | step ms | fwd+bwd ms | comm wait ms | step vs FSDP2 same reshard | fwd+bwd vs limit "
-        "| comm MiB/step | collectives/step | peak RSS MiB (max rank) | RSS increment MiB | loss, last step |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| comm MiB/step | collectives/step | peak tensor MiB | peak RSS MiB (max rank) | RSS increment MiB "
+        "| loss, last step |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     times = timing["times"]
     for cfg in CONFIGS:
@@ -206,7 +240,7 @@ def table(timing: dict, memory: dict[Config, dict]) -> str:
             vs_fsdp2 = f"{ratio(times, cfg, Config('fsdp2', False)):.3f} (vs reshard=False)"
         lines.append(
             f"| {cfg.label} | {median_ms(times[cfg], 0)} | {median_ms(times[cfg], 1)} | {median_ms(times[cfg], 2)} "
-            f"| {vs_fsdp2} | {ratio(times, cfg, Config('limit'), part=1):.3f} | {mib} | {counts} | {mem['peak']:.0f} "
+            f"| {vs_fsdp2} | {ratio(times, cfg, Config('limit'), part=1):.3f} | {mib} | {counts} | {spread(mem['tensors'])} | {mem['peak']:.0f} "
             f"| {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
         )
     return "\n".join(lines)
@@ -222,13 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh runs per configuration for peak tensor bytes")
     parser.add_argument("--quick", action="store_true", help="1 warmup step, 2 rounds of 1 step, 1 memory step")
     opts = parser.parse_args(argv)
     if opts.quick:
-        opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps = 1, 2, 1, 1
+        opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps, opts.memory_repeats = 1, 2, 1, 1, 1
     args = model_args(opts.model, opts.seq)
     timing = spawn(opts.world, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
     memory = {cfg: spawn(opts.world, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
+    for cfg in CONFIGS:
+        memory[cfg]["tensors"] = [spawn(opts.world, peak_tensors, cfg, args, opts.microbatches, opts.memory_steps)
+                                  for _ in range(opts.memory_repeats)]
     print(f"model {opts.model}, dp={opts.world} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
           f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
           f"after {opts.warmup} warmup; torch {torch.__version__}\n")
