@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# Imported before any group exists: its functions take `group=group.WORLD` as a default argument, which
+# an import after init_process_group (activation checkpointing, DCP and TE import it lazily) would pin
+# to the live default group for the life of the process, past destroy_process_group.
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

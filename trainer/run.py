@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -108,8 +109,22 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     init_process_group(launch, device, cfg.comm_timeout_s)
     try:
         _train(cfg, launch, dims, device, stop_request)
+    except BaseException as e:
+        raise _without_frames(e)
     finally:
         shutdown_process_groups()
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """The exception with its traceback kept as text (a note) instead of frames. The frames of a failed
+    step hold the trainer and, through it, the process groups, which must be freed before they are
+    destroyed: a gloo group still alive at interpreter exit can abort the process."""
+    e.add_note("".join(traceback.format_exception(e)).rstrip())
+    link: BaseException | None = e
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return e
 
 
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device,

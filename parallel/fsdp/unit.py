@@ -233,7 +233,7 @@ class FSDPUnit:
         if self.is_last_microbatch or not cut:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
-            views = _DetachedViews(self).views
+            views = _cut_views(self)
         for (sub, attr), view in zip(self._owners, views):
             setattr(sub, attr, view)
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
@@ -334,25 +334,26 @@ class _ConnectedViews(torch.autograd.Function):
 CONCAT_EVENT = f"{_ConnectedViews.__name__}Backward"  # the concat's name in autograd profiles
 
 
-class _DetachedViews:
+def _cut_views(unit: FSDPUnit) -> list[torch.Tensor]:
     """Views cut from the flat parameter in autograd: the split runs under no_grad, each chunk is made
     a grad-requiring leaf, and the view() op runs outside no_grad so the view has a grad_fn (a view
     built entirely under no_grad would silently drop its gradient). Each chunk's gradient is added to
     the accumulator as it arrives; a chunk that gets none adds nothing. Only non-last microbatches, which
-    never reduce, get these views. They hold the unit weakly, as _ConnectedViews does."""
+    never reduce, get these views. A view reaches its chunk's hook through autograd, where the garbage
+    collector sees no cycle: the hook holds the unit weakly and nothing that holds the views."""
+    with torch.no_grad():
+        chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
+    unit_ref = weakref.ref(unit)
+    views = []
+    for chunk, offset, shape in zip(chunks, unit.spec.offsets(), unit.spec.shapes):
+        chunk.requires_grad_(True)
+        chunk.register_post_accumulate_grad_hook(partial(_add_chunk_grad, unit_ref, offset))
+        views.append(chunk.view(shape))
+    return views
 
-    def __init__(self, unit: FSDPUnit):
-        self.unit = weakref.ref(unit)
-        with torch.no_grad():
-            chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
-        self.views = []
-        for chunk, offset, shape in zip(chunks, unit.spec.offsets(), unit.spec.shapes):
-            chunk.requires_grad_(True)
-            chunk.register_post_accumulate_grad_hook(partial(self._on_chunk_grad, offset))
-            self.views.append(chunk.view(shape))
 
-    def _on_chunk_grad(self, offset: int, chunk: torch.Tensor) -> None:
-        if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
-            return
-        accumulate_unsharded(self.unit(), chunk.grad, offset)
-        chunk.grad = None
+def _add_chunk_grad(unit_ref: weakref.ref, offset: int, chunk: torch.Tensor) -> None:
+    if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
+        return
+    accumulate_unsharded(unit_ref(), chunk.grad, offset)
+    chunk.grad = None

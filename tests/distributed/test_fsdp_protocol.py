@@ -72,24 +72,22 @@ def _check_bitwise_on_off(rank: int, world: int) -> None:
                 assert torch.equal(a.flat_param, b.flat_param), (dtype, reshard, a.name)
 
 
-class _NoGradViews(fsdp_unit._DetachedViews):
+def _no_grad_views(unit) -> list[torch.Tensor]:
     """The hazard: views made entirely under no_grad have no grad_fn and silently drop gradients."""
-
-    def __init__(self, unit):
-        with torch.no_grad():
-            chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
-            self.views = [c.view(s) for c, s in zip(chunks, unit.spec.shapes)]
+    with torch.no_grad():
+        chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
+        return [c.view(s) for c, s in zip(chunks, unit.spec.shapes)]
 
 
 def _check_no_grad_hazard_is_caught(rank: int, world: int) -> None:
     shard, rep, rank, world = _world_groups()
-    original = fsdp_unit._DetachedViews
-    fsdp_unit._DetachedViews = _NoGradViews
+    original = fsdp_unit._cut_views
+    fsdp_unit._cut_views = _no_grad_views
     try:
         with pytest.raises(RuntimeError, match="lost their autograd edge"):
             train_fsdp(FSDPConfig(optimize_backward_concat=True), shard, rep, rank, world, 2, 1)
     finally:
-        fsdp_unit._DetachedViews = original
+        fsdp_unit._cut_views = original
 
 
 class _CheckpointOutside(nn.Module):
