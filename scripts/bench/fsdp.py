@@ -42,11 +42,15 @@ increment over the same rank's ru_maxrss just before the model is built (torch +
 configuration first builds a throwaway torch AdamW, whose import of torch._dynamo would otherwise
 count against FSDP2, DDP and the limit only). The peak includes building the full model on every
 rank, as all three do. RSS high-water marks also carry the C allocator's arenas and fragmentation,
-which move them by tens of MiB between runs of the same code; "peak tensor" is steadier: the most
-tensor bytes alive at once during the steps (the CPU allocator's running total, as torch's profiler
-records it from before the model is built; fresh processes, --memory-repeats per configuration, median
-and range), the CPU analog of CUDA's max_memory_allocated. Gloo's own scratch memory is counted where gloo allocates
-tensors (its reduce-scatter on CPU is an all-reduce of a copy), on its threads, so it depends on timing.
+which move them by tens of MiB between runs of the same code. "Peak tensor" is steadier: the most
+tensor bytes alive at once during the steps, the CPU analog of CUDA's max_memory_allocated, from the
+memory events of torch's profiler, which runs from before the model is built. The profiler counts
+tensors allocated and freed on threads that carry its state; a tensor whose last reference a gloo
+worker thread drops (gloo's reduce-scatter keeps a copy of its input, made on the calling thread) is
+freed unseen. Such a block is subtracted once its address is allocated again, which shows it was
+freed; until then the total reads high, never low, by an amount that depends on timing. The table
+gives the minimum over --memory-repeats fresh runs (the least inflated) and the range. Gloo's
+internal buffers, and memory outside torch's allocator, are not counted.
 
     python scripts/bench/fsdp.py [--model tiny|small] [--world 4] [--seq 128] [--rounds 10] [--steps-per-round 3] [--quick]
 
@@ -167,9 +171,8 @@ def peak_rss(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: 
 
 
 def peak_tensors(rank: int, world: int, cfg: Config, args: ModelArgs, microbatches: int, steps: int) -> float:
-    """The most tensor bytes (MiB) alive at once during the steps, over ranks: the CPU allocator's
-    running total as the profiler records it from before the model is built (so it counts everything
-    the run allocates), the CPU analog of CUDA's max_memory_allocated."""
+    """The most tensor bytes (MiB) alive at once during the steps, max over ranks, as the profiler's
+    memory events count them from before the model is built (see the module docstring)."""
     mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         runner = build(cfg, args, microbatches, mesh)
@@ -180,8 +183,25 @@ def peak_tensors(rank: int, world: int, cfg: Config, args: ModelArgs, microbatch
         prof.export_chrome_trace(f"{tmp}/trace.json")
         events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
     start = min(e["ts"] for e in events if e.get("name") == STEP_MARK)
-    peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and e["ts"] >= start)
-    return max(comm.all_gather_object(peak / 2**20, comm.world()))
+    return max(comm.all_gather_object(peak_allocated(events, start) / 2**20, comm.world()))
+
+
+def peak_allocated(events: list[dict], start_ts: float) -> int:
+    """The highest running total of the profiler's memory events from `start_ts` on, less the blocks
+    freed unseen: a block whose address is allocated again without a recorded free was freed where
+    the profiler could not see it."""
+    live: dict[int, int] = {}  # address -> bytes, as far as the recorded events know
+    unseen_frees = peak = 0
+    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        addr, nbytes = event["args"]["Addr"], event["args"]["Bytes"]
+        if nbytes > 0:
+            unseen_frees += live.get(addr, 0)
+            live[addr] = nbytes
+        else:
+            live.pop(addr, None)
+        if event["ts"] >= start_ts:
+            peak = max(peak, event["args"]["Total Allocated"] - unseen_frees)
+    return peak
 
 
 def check_losses_agree(losses: dict[Config, float]) -> str:
@@ -218,10 +238,10 @@ def comm_cell(ops: dict[str, dict[str, int]]) -> tuple[str, str]:
     return f"{sum(v['bytes'] for v in ops.values()) / 2**20:.2f}", counts
 
 
-def spread(values: list[float]) -> str:
-    """Median, and the range where repeats differ (gloo's threads free tensors at timing-dependent points)."""
+def lowest(values: list[float]) -> str:
+    """The minimum of repeats that can only read high, and their highest where they differ."""
     low, high = min(values), max(values)
-    return f"{statistics.median(values):.1f}" + (f" ({low:.1f}-{high:.1f})" if high - low >= 0.1 else "")
+    return f"{low:.1f}" + (f" (to {high:.1f})" if high - low >= 0.1 else "")
 
 
 def table(timing: dict, memory: dict[Config, dict]) -> str:
@@ -240,8 +260,8 @@ def table(timing: dict, memory: dict[Config, dict]) -> str:
             vs_fsdp2 = f"{ratio(times, cfg, Config('fsdp2', False)):.3f} (vs reshard=False)"
         lines.append(
             f"| {cfg.label} | {median_ms(times[cfg], 0)} | {median_ms(times[cfg], 1)} | {median_ms(times[cfg], 2)} "
-            f"| {vs_fsdp2} | {ratio(times, cfg, Config('limit'), part=1):.3f} | {mib} | {counts} | {spread(mem['tensors'])} | {mem['peak']:.0f} "
-            f"| {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
+            f"| {vs_fsdp2} | {ratio(times, cfg, Config('limit'), part=1):.3f} | {mib} | {counts} "
+            f"| {lowest(mem['tensors'])} | {mem['peak']:.0f} | {mem['increment']:.0f} | {timing['losses'][cfg]:.6f} |"
         )
     return "\n".join(lines)
 
@@ -256,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh runs per configuration for peak tensor bytes")
-    parser.add_argument("--quick", action="store_true", help="1 warmup step, 2 rounds of 1 step, 1 memory step")
+    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh runs per configuration (peak tensor)")
+    parser.add_argument("--quick", action="store_true", help="1 warmup step, 2 rounds of 1 step, 1 memory step, 1 repeat")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.warmup, opts.rounds, opts.steps_per_round, opts.memory_steps, opts.memory_repeats = 1, 2, 1, 1, 1
@@ -265,11 +285,13 @@ def main(argv: list[str] | None = None) -> None:
     timing = spawn(opts.world, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
     memory = {cfg: spawn(opts.world, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
     for cfg in CONFIGS:
-        memory[cfg]["tensors"] = [spawn(opts.world, peak_tensors, cfg, args, opts.microbatches, opts.memory_steps)
-                                  for _ in range(opts.memory_repeats)]
+        runs = (spawn(opts.world, peak_tensors, cfg, args, opts.microbatches, opts.memory_steps)
+                for _ in range(opts.memory_repeats))
+        memory[cfg]["tensors"] = list(runs)
     print(f"model {opts.model}, dp={opts.world} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
           f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
-          f"after {opts.warmup} warmup; torch {torch.__version__}\n")
+          f"after {opts.warmup} warmup; memory: {opts.memory_steps} steps, {opts.memory_repeats} repeats "
+          f"(peak tensor); torch {torch.__version__}\n")
     print(table(timing, memory))
     print("\n" + check_losses_agree(timing["losses"]))
 
