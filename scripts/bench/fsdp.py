@@ -285,9 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     timing = spawn(opts.world, time_all, args, opts.microbatches, opts.warmup, opts.rounds, opts.steps_per_round)
     memory = {cfg: spawn(opts.world, peak_rss, cfg, args, opts.microbatches, opts.memory_steps) for cfg in CONFIGS}
     for cfg in CONFIGS:
-        runs = (spawn(opts.world, peak_tensors, cfg, args, opts.microbatches, opts.memory_steps)
-                for _ in range(opts.memory_repeats))
-        memory[cfg]["tensors"] = list(runs)
+        memory[cfg]["tensors"] = [spawn(opts.world, peak_tensors, cfg, args, opts.microbatches, opts.memory_steps)
+                                  for _ in range(opts.memory_repeats)]
     print(f"model {opts.model}, dp={opts.world} gloo ranks on CPU, 1 thread each, fp32, {opts.microbatches} microbatches "
           f"of 1 x {opts.seq} per step; {opts.rounds} rounds x {opts.steps_per_round} steps per configuration "
           f"after {opts.warmup} warmup; memory: {opts.memory_steps} steps, {opts.memory_repeats} repeats "
