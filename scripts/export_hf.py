@@ -26,7 +26,7 @@ from safetensors.torch import save_file  # noqa: E402
 from model.hf import hf_config, to_hf  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
-from trainer.config import TrainConfig, from_dict  # noqa: E402
+from trainer.config import CONFIG_FILE, TrainConfig, from_dict  # noqa: E402
 from trainer.state import load_full_weights  # noqa: E402
 from trainer.tokenizer import Tokenizer  # noqa: E402
 
@@ -37,9 +37,9 @@ _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def read_train_config(ckpt: Path) -> TrainConfig:
     """The run's config, saved next to the shards; the manifest has already vouched for its bytes."""
     try:
-        raw = json.loads((ckpt / "train_config.json").read_text())
+        raw = json.loads((ckpt / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {ckpt} has no readable train_config.json: {e}")
+        raise ConfigError(f"checkpoint {ckpt} has no readable {CONFIG_FILE}: {e}")
     return from_dict(raw)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from model.args import ModelArgs
 from parallel.errors import ConfigError
 
+CONFIG_FILE = "train_config.json"  # the resolved config, written into the dump_dir and each checkpoint
 
 @dataclass
 class ModelConfig:

@@ -27,6 +27,10 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
+from trainer.config import CONFIG_FILE
+from trainer.fingerprint import FINGERPRINT_FILE
+from trainer.metrics import JOB_FILE, METRICS_FILE, SUPERSEDED_FILE
+from trainer.preemption import STOPPED_FILE
 
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
@@ -36,6 +40,9 @@ STALE_AFTER_S = 30.0
 # A lock that looks stale by this host's clock is watched this long: a live holder touches it meanwhile
 # (its node's clock, or the file server's, may be far from ours).
 STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
+# The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
+JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, JOB_FILE, STOPPED_FILE, FINGERPRINT_FILE,
+             CONFIG_FILE)
 
 
 class DumpDirLock:
@@ -181,6 +188,10 @@ def _unwritable(dump_dir: Path, checkpoints: bool) -> str | None:
         if problem is not None:
             key = "dump_dir" if folder == dump_dir else "dump_dir (its checkpoints/ folder, checkpoint.freq > 0)"
             return f"{key}={folder} {problem}"
+    folders_in_the_way = [name for name in JOB_FILES if (dump_dir / name).is_dir()]
+    if folders_in_the_way:
+        return (f"dump_dir={dump_dir} has a folder named {folders_in_the_way[0]}, where the job writes a file; "
+                f"move it away")
     return None
 
 

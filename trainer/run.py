@@ -22,7 +22,7 @@ from parallel.random import RNGStreams
 from parallel import comm
 from trainer.async_save import AsyncCheckpointer
 from trainer.checkpoint import prune_checkpoints, save_checkpoint
-from trainer.config import TrainConfig
+from trainer.config import CONFIG_FILE, TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import own_dump_dir
@@ -177,12 +177,12 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
         return
     comm.barrier(comm.world())  # every rank has read metrics.jsonl (resume) before rank 0 repairs it
-    config_file = dump_dir / "train_config.json"
+    config_file = dump_dir / CONFIG_FILE
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         write_fingerprint(dump_dir, fingerprint)
         record_history_owner(dump_dir, launch.run_id)
-    extra_files = {"tokenizer.model": Path(tokenizer.model_path), "train_config.json": config_file,
+    extra_files = {"tokenizer.model": Path(tokenizer.model_path), CONFIG_FILE: config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request, launch.run_id)
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from trainer import dump_dir
-from trainer.dump_dir import LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable
+from trainer.dump_dir import JOB_FILES, LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable
 
 
 @pytest.fixture(autouse=True)
@@ -159,3 +159,10 @@ def test_unwritable_dump_dir_is_found_before_any_work(tmp_path):
     (tmp_path / "run" / "checkpoints").write_text("")  # a file where the checkpoints folder goes
     assert _unwritable(tmp_path / "run", checkpoints=False) is None
     assert "checkpoints/ folder" in _unwritable(tmp_path / "run", checkpoints=True)
+
+
+@pytest.mark.parametrize("name", JOB_FILES)
+def test_a_folder_where_the_job_writes_a_file_is_refused_up_front(tmp_path, name):
+    (tmp_path / name).mkdir()
+    assert _unwritable(tmp_path, checkpoints=False) == (
+        f"dump_dir={tmp_path} has a folder named {name}, where the job writes a file; move it away")
