@@ -124,6 +124,7 @@ def test_llama3_8b_dimensions():
         (["optim.decay_start=5"], 1, "optim.decay_start=5 must be >= optim.warmup_steps=10"),
         (["optim.decay_start=100"], 1, "optim.decay_start=100 must be < where the decay ends, 100"),
         (["optim.decay_style=linear", "optim.min_lr_ratio=1"], 1, "optim.decay_style=linear needs optim.min_lr_ratio < 1"),
+        (["optim.decay_steps=50", "optim.min_lr_ratio=1"], 1, "optim.decay_steps=50 needs optim.min_lr_ratio < 1"),
         (["optim.decay_style=square"], 1, "optim.decay_style=square is not one of: cosine | linear"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
         (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
