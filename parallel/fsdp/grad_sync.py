@@ -28,44 +28,56 @@ if TYPE_CHECKING:
 Stages = Generator[None, None, torch.Tensor]
 
 
-def accumulate_unsharded(unit: FSDPUnit, grad: torch.Tensor, offset: int) -> None:
-    """Add one parameter's (compute-dtype) gradient into the fp32 unsharded accumulator at `offset`
-    (optimize_backward_concat's cut views); the accumulator starts from zeros, so a parameter that got
-    no gradient contributes nothing."""
+def accumulator_slice(unit: FSDPUnit, index: int) -> torch.Tensor:
+    """Parameter `index`'s slice of the unit's fp32 unsharded gradient accumulator, which is allocated
+    on first use but not zeroed: a slice is written by its parameter's first gradient, and zeroed only if
+    none came before the accumulator is handed over (`unit.unwritten` holds those not written yet)."""
     if unit.grad_accumulator is None:
-        unit.grad_accumulator = torch.zeros(unit.spec.padded, dtype=torch.float32, device=grad.device)
-    unit.grad_accumulator[offset : offset + grad.numel()].view(grad.shape).add_(grad)
+        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+        unit.grad_accumulator[unit.spec.total :].zero_()
+        unit.unwritten = set(range(len(unit.spec.shapes)))
+    offset = unit.offsets[index]
+    return unit.grad_accumulator[offset : offset + unit.spec.numels[index]]
+
+
+def zeroed_slice(unit: FSDPUnit, index: int) -> torch.Tensor:
+    """A slice that holds zeros from now on, for a module that accumulates into it itself (main_grad)."""
+    piece = accumulator_slice(unit, index)
+    if index in unit.unwritten:
+        piece.zero_()
+        unit.unwritten.discard(index)
+    return piece
+
+
+def accumulate_param_grad(unit: FSDPUnit, index: int, grad: torch.Tensor) -> None:
+    """Add one parameter's (compute-dtype) gradient into its fp32 slice: in place, or as 0 + grad if it is
+    the slice's first, which costs one pass instead of a zero-fill plus an add and gives the same bits (a
+    -0.0 becomes +0.0 either way), so optimize_backward_concat on and off agree to the bit."""
+    piece = accumulator_slice(unit, index).view(grad.shape)
+    if index in unit.unwritten:
+        torch.add(grad, 0.0, out=piece)
+        unit.unwritten.discard(index)
+    else:
+        piece.add_(grad)
 
 
 def write_flat_grad(unit: FSDPUnit, grads: Sequence[torch.Tensor | None]) -> None:
-    """The concat of a connected backward: every parameter's gradient written, in one pass, into its
-    slice of the fp32 flat accumulator, added in place when earlier microbatches left one, else into
-    a new one (padding and parameters without a gradient zeroed). No compute-dtype concat and no
-    separate accumulation pass: the step's flat gradient never exists twice.
-
-    A new accumulator gets 0 + grad rather than a copy, so a -0.0 becomes +0.0 exactly as in the
-    zero-started accumulator of cut views: optimize_backward_concat on and off agree to the bit."""
-    fresh = unit.grad_accumulator is None
-    if fresh:
-        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
-        unit.grad_accumulator[unit.spec.total :].zero_()
-    for offset, numel, grad in zip(unit.spec.offsets(), unit.spec.numels, grads):
-        piece = unit.grad_accumulator[offset : offset + numel]
-        if grad is None:
-            if fresh:
-                piece.zero_()
-        elif fresh:
-            torch.add(grad, 0.0, out=piece.view(grad.shape))
-        else:
-            piece.view(grad.shape).add_(grad)
+    """The concat of a connected backward: every parameter's gradient written into its slice of the fp32
+    flat accumulator (None: the parameter got none, nothing to add). No compute-dtype concat and no
+    separate accumulation pass: the step's flat gradient never exists twice."""
+    for index, grad in enumerate(grads):
+        if grad is not None:
+            accumulate_param_grad(unit, index, grad)
 
 
 def unsharded_grad(unit: FSDPUnit) -> torch.Tensor:
-    """The flat gradient to reduce, in fp32: everything this step's microbatches accumulated (zeros if no
-    parameter of the unit got a gradient); the accumulator is handed over."""
+    """The flat gradient to reduce, in fp32: everything this step's microbatches accumulated (zeros where
+    no gradient came); the accumulator is handed over."""
+    if unit.grad_accumulator is None:
+        return torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+    for index in sorted(unit.unwritten):
+        zeroed_slice(unit, index)
     flat, unit.grad_accumulator = unit.grad_accumulator, None
-    if flat is None:
-        flat = torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
     return flat
 
 

@@ -26,7 +26,7 @@ from parallel.fsdp.flat_param import (
     FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
-from parallel.fsdp.grad_sync import accumulate_unsharded, write_flat_grad
+from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
 from parallel.fsdp.state_dict import TPSplit, fill_shard
 
 
@@ -131,6 +131,8 @@ class FSDPUnit:
         self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
         self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
+        self.unwritten: set[int] = set()  # parameters whose accumulator slice is not written yet (grad_sync.py)
+        self.offsets = self.spec.offsets()
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
         self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
         self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
@@ -247,12 +249,8 @@ class FSDPUnit:
         """Give the views of main_grad parameters their slices of the fp32 accumulator, which therefore
         exists from the forward on (zeros until gradients land; TE may read main_grad at forward). It is
         handed to the reduction at the end of the step's last backward, after every write into it."""
-        if self.grad_accumulator is None:
-            self.grad_accumulator = torch.zeros(self.spec.padded, dtype=torch.float32, device=self.flat_param.device)
-        offsets = self.spec.offsets()
         for i in self.main_grad_params:
-            piece = self.grad_accumulator[offsets[i] : offsets[i] + self.spec.numels[i]]
-            views[i].main_grad = piece.view(self.spec.shapes[i])
+            views[i].main_grad = zeroed_slice(self, i).view(self.spec.shapes[i])
             self._main_grad_views.append(views[i])
 
     def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -345,15 +343,15 @@ def _cut_views(unit: FSDPUnit) -> list[torch.Tensor]:
         chunks = torch.split(unit.full[: unit.spec.total], unit.spec.numels)
     unit_ref = weakref.ref(unit)
     views = []
-    for chunk, offset, shape in zip(chunks, unit.spec.offsets(), unit.spec.shapes):
+    for index, (chunk, shape) in enumerate(zip(chunks, unit.spec.shapes)):
         chunk.requires_grad_(True)
-        chunk.register_post_accumulate_grad_hook(partial(_add_chunk_grad, unit_ref, offset))
+        chunk.register_post_accumulate_grad_hook(partial(_add_chunk_grad, unit_ref, index))
         views.append(chunk.view(shape))
     return views
 
 
-def _add_chunk_grad(unit_ref: weakref.ref, offset: int, chunk: torch.Tensor) -> None:
+def _add_chunk_grad(unit_ref: weakref.ref, index: int, chunk: torch.Tensor) -> None:
     if chunk.grad is None:  # its backward returned none: a main_grad parameter wrote it itself
         return
-    accumulate_unsharded(unit_ref(), chunk.grad, offset)
+    accumulate_param_grad(unit_ref(), index, chunk.grad)
     chunk.grad = None
