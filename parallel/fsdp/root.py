@@ -47,6 +47,12 @@ class FSDPRoot:
                 raise RuntimeError(
                     f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
                 )
+            if unit.grad_accumulator is not None or unit.shard_grad_sum is not None:
+                raise RuntimeError(
+                    f"FSDP unit {unit.name} got gradients on earlier microbatches of the step but did not run with "
+                    f"grad on its last one, where the step's gradient is reduced: it would be left out of this step "
+                    f"and added into the next; run every unit on the step's last microbatch"
+                )
 
     def record_fp8_weight_amaxes(self) -> None:
         """Each fp8 GEMM records the amax of its weight's piece of this rank's shards (no communication)."""

@@ -151,10 +151,29 @@ def _refuses_per_microbatch_reduction(rank: int, world: int) -> None:
         raise AssertionError("grad_reduce=per_microbatch with a main_grad weight was accepted")
 
 
+def _refuses_a_unit_left_out_of_the_last_microbatch(rank: int, world: int) -> None:
+    """A unit's gradient is reduced at the end of its last microbatch's backward: one that ran only on
+    earlier microbatches would keep it (accumulator, or per-microbatch shard sum) into the next step."""
+    for grad_reduce in ("last_microbatch", "per_microbatch"):
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+        root = fully_shard(model, ["0", "1"], dist.group.WORLD, None, FSDPConfig(grad_reduce=grad_reduce))
+        for i in range(2):
+            root.set_microbatch(is_first=i == 0, is_last=i == 1)
+            (model if i == 0 else model[0])(torch.ones(1, DIM)).sum().backward()
+        try:
+            root.finish_gradient_sync()
+        except RuntimeError as e:
+            assert "FSDP unit 1 got gradients on earlier microbatches" in str(e), e
+        else:
+            raise AssertionError(f"a unit left out of the last microbatch went unnoticed ({grad_reduce})")
+
+
 def _check_all(rank: int, world: int) -> None:
     _check(rank, world)
     _refuses_per_microbatch_reduction(rank, world)
+    _refuses_a_unit_left_out_of_the_last_microbatch(rank, world)
 
 
 def test_gradients_outside_autograd_reduce_reshard_and_stay_bitwise_with_and_without_concat():
+    """Also: a unit left out of the step's last microbatch is refused, not silently carried over."""
     run_ranks(2, _check_all)
