@@ -27,6 +27,7 @@ from parallel.fsdp.flat_param import (
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
 from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
+from parallel.fsdp.hooks import BackwardTicket
 from parallel.fsdp.state_dict import TPSplit, fill_shard
 
 
@@ -253,9 +254,10 @@ class FSDPUnit:
             views[i].main_grad = zeroed_slice(self, i).view(self.spec.shapes[i])
             self._main_grad_views.append(views[i])
 
-    def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """A connected backward's parameter gradients (None: the parameter got none) are ready."""
-        if self.reduces_now and self.ticket.done:  # never reduce a gradient without it
+    def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...], ticket: BackwardTicket) -> None:
+        """A connected backward's parameter gradients (None: the parameter got none) are ready; `ticket`
+        is the forward's whose views they are (a pipeline may have run later forwards since)."""
+        if self.reduces_now and ticket.done:  # never reduce a gradient without it
             raise RuntimeError(f"FSDP unit {self.name}: a gradient arrived after the unit's backward ended (a unit "
                                f"called twice in one forward, or two backwards through one forward, is not supported)")
         write_flat_grad(self, grads)
@@ -319,13 +321,13 @@ class _ConnectedViews(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit: FSDPUnit, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = weakref.ref(unit)
+        ctx.unit, ctx.ticket = weakref.ref(unit), unit.ticket
         ctx.set_materialize_grads(False)  # a parameter without a gradient stays None: no zeros to allocate
         return tuple(split_views(full, unit.spec))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[None, None]:
-        ctx.unit().receive_view_grads(grads)
+        ctx.unit().receive_view_grads(grads, ctx.ticket)
         return None, None
 
 

@@ -48,9 +48,9 @@ def _check_concats(rank: int, world: int) -> None:
         for unit in root.units:
             unit.receive_view_grads = partial(record_then_receive, unit, unit.receive_view_grads)
 
-    def record_then_receive(unit, receive, grads) -> None:
+    def record_then_receive(unit, receive, grads, ticket) -> None:
         accumulator = unit.grad_accumulator
-        receive(grads)
+        receive(grads, ticket)
         assert unit.grad_accumulator is accumulator is not None, unit.name
         marks.append((unit.name, unit.is_last_microbatch))
 

@@ -168,10 +168,29 @@ def _refuses_a_unit_left_out_of_the_last_microbatch(rank: int, world: int) -> No
             raise AssertionError(f"a unit left out of the last microbatch went unnoticed ({grad_reduce})")
 
 
+def _refuses_a_second_backward_through_one_forward(rank: int, world: int) -> None:
+    """A gradient arriving after its forward's backward ended, when that microbatch reduces, would miss
+    the reduction; judged by that forward's ticket even after a pipeline ran a later forward."""
+    for grad_reduce, forwards in (("last_microbatch", 1), ("per_microbatch", 2)):
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+        root = fully_shard(model, ["0", "1"], dist.group.WORLD, None, FSDPConfig(grad_reduce=grad_reduce))
+        root.set_microbatch(is_first=True, is_last=forwards == 1)
+        losses = [model(torch.ones(1, DIM)).sum() for _ in range(forwards)]  # 1F1B warm-up: F0 (F1)
+        losses[0].backward(retain_graph=True)
+        try:
+            losses[0].backward()
+        except RuntimeError as e:
+            assert "a gradient arrived after the unit's backward ended" in str(e), e
+        else:
+            raise AssertionError(f"a second backward through one forward went unnoticed ({grad_reduce})")
+        root.reductions.drain()
+
+
 def _check_all(rank: int, world: int) -> None:
     _check(rank, world)
     _refuses_per_microbatch_reduction(rank, world)
     _refuses_a_unit_left_out_of_the_last_microbatch(rank, world)
+    _refuses_a_second_backward_through_one_forward(rank, world)
 
 
 def test_gradients_outside_autograd_reduce_reshard_and_stay_bitwise_with_and_without_concat():
