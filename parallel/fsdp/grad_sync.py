@@ -28,15 +28,21 @@ if TYPE_CHECKING:
 Stages = Generator[None, None, torch.Tensor]
 
 
+def _new_accumulator(unit: FSDPUnit) -> None:
+    """Allocated, not zero-filled: every parameter slice starts unwritten. The padding is reduce-scattered
+    with the rest, so it is zeroed now."""
+    unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
+    unit.grad_accumulator[unit.spec.total :].zero_()
+    unit.unwritten = set(range(len(unit.spec.shapes)))
+
+
 def accumulator_slice(unit: FSDPUnit, index: int) -> torch.Tensor:
-    """Parameter `index`'s slice of the unit's fp32 unsharded gradient accumulator, which is allocated
-    on first use but not zeroed: a slice is written by its parameter's first gradient, and zeroed only if
-    none came before the accumulator is handed over (`unit.unwritten` holds those not written yet)."""
+    """Parameter `index`'s slice of the unit's fp32 unsharded gradient accumulator. A slice is written by
+    its parameter's first gradient of the step; one no gradient reached is zeroed when the accumulator is
+    handed over, and a main_grad parameter's when it is bound (`unit.unwritten`: not written yet)."""
     if unit.grad_accumulator is None:
-        unit.grad_accumulator = torch.empty(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
-        unit.grad_accumulator[unit.spec.total :].zero_()
-        unit.unwritten = set(range(len(unit.spec.shapes)))
-    offset = unit.offsets[index]
+        _new_accumulator(unit)
+    offset = unit.param_offsets[index]
     return unit.grad_accumulator[offset : offset + unit.spec.numels[index]]
 
 
@@ -75,7 +81,7 @@ def unsharded_grad(unit: FSDPUnit) -> torch.Tensor:
     no gradient came); the accumulator is handed over."""
     if unit.grad_accumulator is None:
         return torch.zeros(unit.spec.padded, dtype=torch.float32, device=unit.flat_param.device)
-    for index in sorted(unit.unwritten):
+    for index in list(unit.unwritten):
         zeroed_slice(unit, index)
     flat, unit.grad_accumulator = unit.grad_accumulator, None
     return flat

@@ -2,7 +2,8 @@
 
 The caller (the step loop, or the pipeline runtime for each stage) names the units in forward order,
 tells the root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
-`finish_gradient_sync` once after the last microbatch's backward.
+`finish_gradient_sync` once after the last microbatch's backward. Every unit that got gradients in a
+step must run with grad on the step's last microbatch, where its gradient is reduced.
 """
 
 from torch import nn
@@ -43,16 +44,7 @@ class FSDPRoot:
         self.reductions.drain()
         for unit in self.units:
             unit.reshard()
-            if unit.gradients_pending:
-                raise RuntimeError(
-                    f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient"
-                )
-            if unit.grad_accumulator is not None or unit.shard_grad_sum is not None:
-                raise RuntimeError(
-                    f"FSDP unit {unit.name} got gradients on earlier microbatches of the step but did not run with "
-                    f"grad on its last one, where the step's gradient is reduced: it would be left out of this step "
-                    f"and added into the next; run every unit on the step's last microbatch"
-                )
+            _refuse_unreduced_gradients(unit)
 
     def record_fp8_weight_amaxes(self) -> None:
         """Each fp8 GEMM records the amax of its weight's piece of this rank's shards (no communication)."""
@@ -63,6 +55,17 @@ class FSDPRoot:
         """Free every unit's unsharded parameters (e.g. after forward-only passes)."""
         for unit in self.units:
             unit.reshard()
+
+
+def _refuse_unreduced_gradients(unit: FSDPUnit) -> None:
+    """At the end of a step every gradient of the unit has been reduced into its shard's .grad."""
+    if unit.gradients_pending:
+        raise RuntimeError(f"FSDP unit {unit.name}: {unit.gradients_pending} forward pass(es) with grad got no gradient")
+    if unit.grad_accumulator is not None or unit.shard_grad_sum is not None:
+        raise RuntimeError(
+            f"FSDP unit {unit.name} got gradients on earlier microbatches of the step but did not run with grad on "
+            f"its last one, where the step's gradient is reduced: it would be left out of this step and added into "
+            f"the next; run every unit on the step's last microbatch")
 
 
 def fully_shard(

@@ -97,13 +97,14 @@ class FSDPUnit:
         self.tp = tp or TPGroups()
         self.rank = shard_group.rank()
         self.spec = FlatParamSpec.of_module(module, shard_group.size())
+        self.param_offsets = self.spec.offsets()
         owners = _trainable_owners(name, module, self.spec)
         params = [getattr(sub, attr) for sub, attr in owners]
         # How each parameter is split over TP (checkpoints map shards to full parameters with it), and
         # the flat slices of those that are not split (norm weights).
         self.tp_splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for p in params)
         self.tp_replicated = [
-            (offset, p.numel()) for offset, p, split in zip(self.spec.offsets(), params, self.tp_splits)
+            (offset, p.numel()) for offset, p, split in zip(self.param_offsets, params, self.tp_splits)
             if split.dim is None
         ]
         # Parameters whose module writes their weight gradient into `main_grad` itself instead of returning
@@ -133,9 +134,8 @@ class FSDPUnit:
         self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.unwritten: set[int] = set()  # parameters whose accumulator slice is not written yet (grad_sync.py)
-        self.offsets = self.spec.offsets()
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
-        self.ticket = None  # the latest forward's BackwardTicket (see hooks.py)
+        self.ticket: BackwardTicket | None = None  # the latest forward's (see hooks.py)
         self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
 
     def _initial_shard(self, init: Initializer) -> torch.Tensor:
@@ -256,8 +256,10 @@ class FSDPUnit:
 
     def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...], ticket: BackwardTicket) -> None:
         """A connected backward's parameter gradients (None: the parameter got none) are ready; `ticket`
-        is the forward's whose views they are (a pipeline may have run later forwards since)."""
-        if self.reduces_now and ticket.done:  # never reduce a gradient without it
+        is the forward's whose views they are (a pipeline may have run later forwards since). Backwards
+        run in forward order, so the latest forward's backward cannot have ended before these arrive
+        either, unless the unit ran twice in one forward."""
+        if self.reduces_now and (ticket.done or self.ticket.done):  # never reduce a gradient without it
             raise RuntimeError(f"FSDP unit {self.name}: a gradient arrived after the unit's backward ended (a unit "
                                f"called twice in one forward, or two backwards through one forward, is not supported)")
         write_flat_grad(self, grads)

@@ -168,21 +168,28 @@ def _refuses_a_unit_left_out_of_the_last_microbatch(rank: int, world: int) -> No
             raise AssertionError(f"a unit left out of the last microbatch went unnoticed ({grad_reduce})")
 
 
-def _refuses_a_second_backward_through_one_forward(rank: int, world: int) -> None:
-    """A gradient arriving after its forward's backward ended, when that microbatch reduces, would miss
-    the reduction; judged by that forward's ticket even after a pipeline ran a later forward."""
-    for grad_reduce, forwards in (("last_microbatch", 1), ("per_microbatch", 2)):
+def _refuses_a_gradient_after_its_backward_ended(rank: int, world: int) -> None:
+    """A gradient arriving after the unit's backward ended, when the microbatch reduces, would miss the
+    reduction (or land in an accumulator already being reduced): a second backward through one forward,
+    judged by that forward's ticket even after a pipeline ran a later forward, and a unit run twice in
+    one forward, whose inner call's gradients come after the outer call's backward ended."""
+    cases = (("second backward", "last_microbatch", 1), ("second backward, pipelined", "per_microbatch", 2),
+             ("unit run twice", "last_microbatch", 1))
+    for case, grad_reduce, forwards in cases:
         model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
         root = fully_shard(model, ["0", "1"], dist.group.WORLD, None, FSDPConfig(grad_reduce=grad_reduce))
         root.set_microbatch(is_first=True, is_last=forwards == 1)
-        losses = [model(torch.ones(1, DIM)).sum() for _ in range(forwards)]  # 1F1B warm-up: F0 (F1)
-        losses[0].backward(retain_graph=True)
+        x = torch.ones(1, DIM, requires_grad=True)
+        run = (lambda: model[1](model[0](model[0](x))).sum()) if case == "unit run twice" else (lambda: model(x).sum())
+        losses = [run() for _ in range(forwards)]  # 1F1B warm-up: F0 (F1)
         try:
-            losses[0].backward()
+            losses[0].backward(retain_graph=True)
+            if case != "unit run twice":
+                losses[0].backward()
         except RuntimeError as e:
-            assert "a gradient arrived after the unit's backward ended" in str(e), e
+            assert "a gradient arrived after the unit's backward ended" in str(e), (case, e)
         else:
-            raise AssertionError(f"a second backward through one forward went unnoticed ({grad_reduce})")
+            raise AssertionError(f"{case} went unnoticed ({grad_reduce})")
         root.reductions.drain()
 
 
@@ -190,9 +197,10 @@ def _check_all(rank: int, world: int) -> None:
     _check(rank, world)
     _refuses_per_microbatch_reduction(rank, world)
     _refuses_a_unit_left_out_of_the_last_microbatch(rank, world)
-    _refuses_a_second_backward_through_one_forward(rank, world)
+    _refuses_a_gradient_after_its_backward_ended(rank, world)
 
 
 def test_gradients_outside_autograd_reduce_reshard_and_stay_bitwise_with_and_without_concat():
-    """Also: a unit left out of the step's last microbatch is refused, not silently carried over."""
+    """Also refused, never silently wrong: a unit left out of the step's last microbatch, a main_grad
+    weight with per-microbatch reduction, and a gradient that arrives after its unit's backward ended."""
     run_ranks(2, _check_all)
