@@ -17,6 +17,7 @@ from parallel.errors import ConfigError
 
 CONFIG_FILE = "train_config.json"  # the resolved config, written into the dump_dir and each checkpoint
 
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"

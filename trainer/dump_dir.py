@@ -29,7 +29,7 @@ from parallel import comm
 from parallel.errors import ConfigError
 from trainer.config import CONFIG_FILE
 from trainer.fingerprint import FINGERPRINT_FILE
-from trainer.metrics import JOB_FILE, METRICS_FILE, SUPERSEDED_FILE
+from trainer.metrics import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
 from trainer.preemption import STOPPED_FILE
 
 LOCK_FILE = ".lock"
@@ -41,8 +41,8 @@ STALE_AFTER_S = 30.0
 # (its node's clock, or the file server's, may be far from ours).
 STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
-JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, JOB_FILE, STOPPED_FILE, FINGERPRINT_FILE,
-             CONFIG_FILE)
+JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
+             FINGERPRINT_FILE, CONFIG_FILE)
 
 
 class DumpDirLock:

@@ -88,9 +88,11 @@ def _hash_blocks(path: Path, num_tokens: int, blocks: list[tuple[int, int]]) -> 
 
 def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) -> dict[str, Any]:
     """The part of the fingerprint known before the data is prepared."""
-    return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | {
+    # With min_lr_ratio=1 the LR stays constant after warmup: there is no decay end for a resume to keep
+    # (and optim.decay_steps is refused then), so extending such a run changes nothing it could compare.
+    decay_end = {"optim.decay_steps": cfg.optim.decay_end(cfg.steps)} if cfg.optim.min_lr_ratio < 1 else {}
+    return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | decay_end | {
         "compute_dtype": compute_dtype,
-        "optim.decay_steps": cfg.optim.decay_end(cfg.steps),
         "global_batch_size": global_batch,
         # Under CP attention is CP's own, whatever model.efficient_attn says (a no-op there, see validate).
         "model.efficient_attn": cfg.model.efficient_attn if cfg.context_parallel_size == 1

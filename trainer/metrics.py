@@ -22,6 +22,7 @@ from parallel.errors import ConfigError
 GIB = 1024**3
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
+REWRITE_FILE = f".{METRICS_FILE}.tmp"  # a resume rewrites metrics.jsonl through it
 JOB_FILE = "job.json"  # which job writes metrics.jsonl
 
 
@@ -148,7 +149,7 @@ class MetricsLog:
             return
         with (self.path.parent / SUPERSEDED_FILE).open("a") as f:
             f.write("".join(line + "\n" for line in moved))
-        tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
+        tmp = self.path.with_name(REWRITE_FILE)
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
         what = f"{len(moved) - bool(partial)} record(s) after step {start_step}" + (" and a partial last line" if partial else "")

@@ -59,6 +59,17 @@ def test_the_decay_shape_is_part_of_the_schedule_and_older_checkpoints_ran_the_c
                                                                                   "optim.decay_steps"])
 
 
+def test_extending_a_run_at_constant_lr_needs_no_decay_end(tmp_path):
+    """With min_lr_ratio=1 there is no decay end to keep (and optim.decay_steps is refused then)."""
+    def run(steps: int, min_lr_ratio: float) -> dict:
+        cfg = from_dict({"model": {"name": "tiny"}, "steps": steps, "optim": {"min_lr_ratio": min_lr_ratio}})
+        return run_fingerprint(cfg, "float32", 8, "a" * 64, DATA)
+
+    check_resumable(_saved(tmp_path, run(100, 1.0)), run(200, 1.0), allowed=[])
+    with pytest.raises(ConfigError, match="optim.decay_steps 100 -> 200 .*pass optim.decay_steps=100"):
+        check_resumable(_saved(tmp_path, run(100, 0.1)), run(200, 0.1), allowed=[])
+
+
 def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):
     saved = _saved(tmp_path, _fingerprint(use_fp8=True))
     with pytest.raises(ConfigError) as err:
