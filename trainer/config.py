@@ -68,6 +68,11 @@ class OptimConfig:
     clip_grad_norm: float = 1.0
     use_fp32_copy_optim: bool = True
 
+    @property
+    def decays(self) -> bool:
+        """Whether the LR decays after warmup at all (min_lr_ratio=1 holds it at lr)."""
+        return self.min_lr_ratio < 1
+
     def decay_end(self, total_steps: int) -> int:
         """The step the LR decay ends at: decay_steps, or the run's last step when unset."""
         return self.decay_steps if self.decay_steps is not None else total_steps

@@ -90,7 +90,7 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
     """The part of the fingerprint known before the data is prepared."""
     # With min_lr_ratio=1 the LR stays constant after warmup: there is no decay end for a resume to keep
     # (and optim.decay_steps is refused then), so extending such a run changes nothing it could compare.
-    decay_end = {"optim.decay_steps": cfg.optim.decay_end(cfg.steps)} if cfg.optim.min_lr_ratio < 1 else {}
+    decay_end = {"optim.decay_steps": cfg.optim.decay_end(cfg.steps)} if cfg.optim.decays else {}
     return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | decay_end | {
         "compute_dtype": compute_dtype,
         "global_batch_size": global_batch,

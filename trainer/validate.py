@@ -209,7 +209,7 @@ _NEEDS = (
      lambda c: c.checkpoint.freq > 0 or c.stop_signal is not None),
     ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps),
     *((key, "optim.min_lr_ratio < 1 (with 1 the LR stays at optim.lr after warmup)",
-       lambda c: c.optim.min_lr_ratio < 1) for key in ("optim.decay_style", "optim.decay_start", "optim.decay_steps")),
+       lambda c: c.optim.decays) for key in ("optim.decay_style", "optim.decay_start", "optim.decay_steps")),
 )
 
 
