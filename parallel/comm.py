@@ -14,11 +14,14 @@ The ledger also sums the wall-clock time this rank spent blocked on communicatio
 synchronous collectives for their whole duration, asynchronous ones while `wait` waits for them. It is
 measured on the host clock: exact for gloo; with NCCL, which blocks streams rather than the host, it
 counts only what the host itself waited.
+
+On gloo two collectives are issued as others that need no private full-size buffer (see
+`_gather_by_broadcasts`, `_reduce_scatter_in_place`); the ledger still counts the collective asked for.
 """
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -168,7 +171,66 @@ def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool 
         LEDGER.wait_s += time.perf_counter() - start
 
 
-def wait(work: Work, op: str, group: ProcessGroup | None, label: str = "") -> None:
+class ComposedWork:
+    """A collective issued as several: done when each of `works` is, after which `finish` (e.g. copying
+    this rank's chunk out) runs once."""
+
+    def __init__(self, works: list[Work], finish: Callable[[], object] | None = None) -> None:
+        self._works, self._finish = works, finish
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return True
+
+
+Pending = Work | ComposedWork
+
+
+def _on_gloo(group: ProcessGroup, tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _finish(work: ComposedWork, async_op: bool) -> ComposedWork | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _check_split(op: str, whole: torch.Tensor, part: torch.Tensor, group: ProcessGroup) -> None:
+    """The sizes torch's own collective insists on: `chunk` would split anything, unevenly or into fewer
+    pieces, and a rank that then failed alone would leave the others waiting."""
+    if whole.numel() != part.numel() * group.size() or whole.dtype != part.dtype:
+        raise ValueError(f"{op} on group {group_name(group)}: {tuple(whole.shape)} {whole.dtype} is not "
+                         f"{group.size()} x {tuple(part.shape)} {part.dtype}")
+
+
+def _gather_by_broadcasts(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> ComposedWork:
+    """Gloo gathers into a private buffer the size of `output` and copies it out when done; held across
+    the compute an asynchronous gather overlaps (FSDP's prefetch), that is one more unsharded unit.
+    Each rank's broadcast of its shard lands straight in `output` instead, the same bytes per rank."""
+    _check_split("all_gather", output, shard, group)
+    chunks = output.chunk(group.size())
+    chunks[group.rank()].copy_(shard)
+    return ComposedWork([dist.broadcast(chunk, group=group, group_src=i, async_op=True)
+                         for i, chunk in enumerate(chunks)])
+
+
+def _reduce_scatter_in_place(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup,
+                             op: ReduceOp) -> ComposedWork:
+    """Gloo reduce-scatters by all-reducing a private copy of the whole input and keeping this rank's
+    chunk. When the caller is done with `full`, all-reducing it in place gives the same sums without
+    the copy, which would otherwise live beside it while the reduction is in flight."""
+    _check_split("reduce_scatter", full, output, group)
+    work = dist.all_reduce(full, op=op, group=group, async_op=True)
+    return ComposedWork([work], lambda: output.copy_(full.chunk(group.size())[group.rank()]))
+
+
+def wait(work: Pending, op: str, group: ProcessGroup | None, label: str = "") -> None:
     """Wait for an asynchronous collective; the time blocked counts as exposed comm."""
     with traced(f"wait {op}", group, label):
         work.wait()
@@ -185,9 +247,11 @@ def all_reduce(
 
 def all_gather_into_tensor(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False, label: str = ""
-) -> Work | None:
+) -> Pending | None:
     _record("all_gather", group, _nbytes(output))
     with traced("all_gather", group, label, blocking=not async_op):
+        if async_op and _on_gloo(group, output):
+            return _gather_by_broadcasts(output, shard, group)
         return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -198,9 +262,14 @@ def reduce_scatter_tensor(
     op: ReduceOp = ReduceOp.SUM,
     async_op: bool = False,
     label: str = "",
-) -> Work | None:
+    consume_input: bool = False,
+) -> Pending | None:
+    """`consume_input`: the caller never reads `full` again, so it may be reduced in place (its contents
+    are then undefined)."""
     _record("reduce_scatter", group, _nbytes(full))
     with traced("reduce_scatter", group, label, blocking=not async_op):
+        if consume_input and _on_gloo(group, full):
+            return _finish(_reduce_scatter_in_place(output, full, group, op), async_op)
         return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.fsdp.flat_param import FlatParamSpec, allocate_storage, free_storage
@@ -88,7 +88,7 @@ class Fp8Gather:
         free_storage(self.bytes)
         self._other: torch.Tensor | None = None
 
-    def start(self, shard: torch.Tensor) -> list[tuple[Work, torch.Tensor]]:
+    def start(self, shard: torch.Tensor) -> list[tuple[comm.Pending, torch.Tensor]]:
         """Cast this rank's shard and start the gathers; returns (work, input kept alive) pairs."""
         cast = torch.zeros(self.spec.shard_size, dtype=torch.uint8, device=shard.device)
         for a, b, consumer in self._my_fp8:

@@ -108,7 +108,8 @@ def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> Stages:
     if unit.spec.world == 1:
         return flat_grad
     shard = torch.empty(unit.spec.shard_size, dtype=unit.cfg.reduce_dtype, device=flat_grad.device)
-    work = comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group, async_op=True, label=unit.name)
+    work = comm.reduce_scatter_tensor(shard, flat_grad, unit.shard_group, async_op=True, label=unit.name,
+                                      consume_input=True)
     yield
     comm.wait(work, "reduce_scatter", unit.shard_group, unit.name)
     return shard

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.fsdp.flat_param import (
@@ -130,7 +130,7 @@ class FSDPUnit:
             if fp8_params and cfg.fp8_all_gather else None
         self._microbatch_aware = [m for m in module.modules() if isinstance(m, MicrobatchAware)]
         self.state = UnitState.SHARDED
-        self._gather: list[tuple[Work, torch.Tensor]] = []  # in flight, with the inputs kept alive
+        self._gather: list[tuple[comm.Pending, torch.Tensor]] = []  # in flight, with the inputs kept alive
         self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.unwritten: set[int] = set()  # parameters whose accumulator slice is not written yet (grad_sync.py)

@@ -158,7 +158,8 @@ class CommAlone(Ours):
                 unit.reshard()
         for unit in reversed(units):
             shard = torch.empty(unit.spec.shard_size)
-            comm.reduce_scatter_tensor(shard, torch.zeros(unit.spec.padded), unit.shard_group, label=unit.name)
+            comm.reduce_scatter_tensor(shard, torch.zeros(unit.spec.padded), unit.shard_group, label=unit.name,
+                                       consume_input=True)
         self.forward_backward_s = time.perf_counter() - start
         return 0.0
 

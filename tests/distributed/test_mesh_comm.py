@@ -1,5 +1,6 @@
 """The device mesh puts ranks where Megatron does, and the comm ledger counts exactly what ran."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -27,6 +28,7 @@ def _check_layouts(rank: int, world: int) -> None:
     assert _ranks(mesh, "dp_replicate") == [rank % 2, rank % 2 + 2]
     assert _ranks(mesh, "dp") == [0, 1, 2, 3]
     _check_ledger(rank, mesh)
+    _check_gloo_lowerings(rank, mesh.group("dp"))
 
 
 def _check_ledger(rank: int, mesh: ParallelMesh) -> None:
@@ -47,6 +49,39 @@ def _check_ledger(rank: int, mesh: ParallelMesh) -> None:
         "dp_replicate": {"reduce_scatter": {"count": 1, "bytes": 8}},
     }
     assert comm.LEDGER.by_op()["all_gather"] == {"count": 1, "bytes": 32}
+
+
+def _check_gloo_lowerings(rank: int, group: dist.ProcessGroup) -> None:
+    """On gloo, an async all-gather runs as broadcasts and a reduce-scatter whose input the caller gives
+    up as an in-place all-reduce: both must give torch's collective's result to the bit, and count once."""
+    torch.manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        shard = torch.randint(0, 255, (6,), dtype=dtype) if dtype == torch.uint8 else torch.randn(6, dtype=dtype)
+        expected, gathered = torch.empty(24, dtype=dtype), torch.empty(24, dtype=dtype)
+        dist.all_gather_into_tensor(expected, shard, group=group)
+        comm.LEDGER.reset()
+        work = comm.all_gather_into_tensor(gathered, shard, group, async_op=True)
+        assert isinstance(work, comm.ComposedWork)
+        comm.wait(work, "all_gather", group)
+        assert torch.equal(gathered, expected)
+        assert comm.LEDGER.by_op() == {"all_gather": {"count": 1, "bytes": 24 * shard.element_size()}}
+    for dtype in (torch.float32, torch.bfloat16):
+        full = torch.randn(4 * 5, dtype=dtype) * 10 ** rank  # magnitudes where the order of the sum shows
+        expected, out = torch.empty(5, dtype=dtype), torch.empty(5, dtype=dtype)
+        dist.reduce_scatter_tensor(expected, full.clone(), group=group)
+        comm.LEDGER.reset()
+        for async_op in (True, False):
+            out.fill_(float("nan"))
+            work = comm.reduce_scatter_tensor(out, full.clone(), group, async_op=async_op, consume_input=True)
+            if async_op:
+                assert isinstance(work, comm.ComposedWork)
+                comm.wait(work, "reduce_scatter", group)
+            assert torch.equal(out, expected)
+        assert comm.LEDGER.by_op() == {"reduce_scatter": {"count": 2, "bytes": 2 * 20 * full.element_size()}}
+    with pytest.raises(ValueError, match=r"all_gather on group dp: \(22,\) torch.float32 is not 4 x \(6,\)"):
+        comm.all_gather_into_tensor(torch.empty(22), torch.zeros(6), group, async_op=True)
+    with pytest.raises(ValueError, match="reduce_scatter on group dp"):
+        comm.reduce_scatter_tensor(torch.empty(5), torch.zeros(20, dtype=torch.bfloat16), group, consume_input=True)
 
 
 def test_mesh_layouts_and_ledger():
