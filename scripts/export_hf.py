@@ -27,6 +27,7 @@ from model.hf import hf_config, to_hf  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.config import CONFIG_FILE, TrainConfig, from_dict  # noqa: E402
+from trainer.dump_dir import CHECKPOINTS_DIR  # noqa: E402
 from trainer.state import load_full_weights  # noqa: E402
 from trainer.tokenizer import Tokenizer  # noqa: E402
 
@@ -47,7 +48,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
     """Verify every file's sha256 first: DCP itself would load flipped bits without a word. The tokenizer
     is exported only where transformers gives training's ids (else an error, or with_tokenizer=False)."""
     if not (ckpt / MANIFEST).is_file():
-        newest = latest_checkpoint(ckpt / "checkpoints")
+        newest = latest_checkpoint(ckpt / CHECKPOINTS_DIR)
         hint = f"; its newest complete checkpoint is {newest}" if newest else ""
         raise ConfigError(f"{ckpt} is not a checkpoint (a step_N folder under dump_dir/checkpoints){hint}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -27,10 +27,13 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
-from trainer.config import CONFIG_FILE
+from trainer.config import CONFIG_FILE, TrainConfig
 from trainer.fingerprint import FINGERPRINT_FILE
+from trainer.memory import FOLDER as SNAPSHOTS_DIR
 from trainer.metrics import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
 from trainer.preemption import STOPPED_FILE
+from trainer.profiling import TRACES_DIR
+from trainer.tensorboard import TB_DIR
 
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
@@ -43,6 +46,16 @@ STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
 JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
              FINGERPRINT_FILE, CONFIG_FILE)
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def output_folders(cfg: TrainConfig) -> dict[str, str]:
+    """The folders the job will make in its dump_dir, each with the setting that asks for it."""
+    wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0, "checkpoint.freq > 0"),
+              TB_DIR: (cfg.metrics.tensorboard, "metrics.tensorboard=true"),
+              TRACES_DIR: (cfg.profile_freq > 0 and cfg.dump_profile_traces, "dump_profile_traces=true"),
+              SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step")}
+    return {name: setting for name, (used, setting) in wanted.items() if used}
 
 
 class DumpDirLock:
@@ -159,14 +172,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, attempt: int,
+def own_dump_dir(dump_dir: Path, folders: dict[str, str], rank: int, job: str, attempt: int,
                  group: ProcessGroup) -> DumpDirLock | None:
-    """Rank 0 makes dump_dir (and checkpoints/ when the job saves), checks that it can write there, and
+    """Rank 0 makes dump_dir and its output `folders` (output_folders), checks that it can write there, and
     takes the lock; every rank receives the verdict, so all stop together on the same line. Returns
     the lock on rank 0 (release it when the job ends), None elsewhere."""
     lock, problem = None, None
     if rank == 0:
-        problem = _unwritable(dump_dir, checkpoints)
+        problem = _unwritable(dump_dir, folders)
         if problem is None:
             lock = DumpDirLock(dump_dir, job, attempt)
             holder = lock.acquire()
@@ -180,14 +193,15 @@ def own_dump_dir(dump_dir: Path, checkpoints: bool, rank: int, job: str, attempt
     return lock
 
 
-def _unwritable(dump_dir: Path, checkpoints: bool) -> str | None:
+def _unwritable(dump_dir: Path, folders: dict[str, str]) -> str | None:
     """Why the job could not write its outputs (None if it can), found before any work is done."""
-    folders = [dump_dir, dump_dir / "checkpoints"] if checkpoints else [dump_dir]
-    for folder in folders:
-        problem = write_problem(folder)
+    problem = write_problem(dump_dir)
+    if problem is not None:
+        return f"dump_dir={dump_dir} {problem}"
+    for name, setting in folders.items():
+        problem = write_problem(dump_dir / name)
         if problem is not None:
-            key = "dump_dir" if folder == dump_dir else "dump_dir (its checkpoints/ folder, checkpoint.freq > 0)"
-            return f"{key}={folder} {problem}"
+            return f"dump_dir (its {name}/ folder, {setting})={dump_dir / name} {problem}"
     folders_in_the_way = [name for name in JOB_FILES if (dump_dir / name).is_dir()]
     if folders_in_the_way:
         return (f"dump_dir={dump_dir} has a folder named {folders_in_the_way[0]}, where the job writes a file; "

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from trainer.config import TrainConfig
 
 TOP_OPERATORS = 15
+TRACES_DIR = "profile_traces"
 # Python frames, recorded with profile_with_stack on every thread: an idle one (the dump_dir lock's
 # heartbeat waiting on its event) would top a table of operators.
 _PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
@@ -26,7 +27,7 @@ _PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
 class StepProfiler:
     def __init__(self, cfg: TrainConfig, rank: int, device: torch.device):
         self.freq, self.dump, self.with_stack = cfg.profile_freq, cfg.dump_profile_traces, cfg.profile_with_stack
-        self.folder = Path(cfg.dump_dir) / "profile_traces"
+        self.folder = Path(cfg.dump_dir) / TRACES_DIR
         self.rank = rank
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 

@@ -12,6 +12,7 @@ from trainer.checkpoint import (
     CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint, refuse_damaged_newer, verify_checkpoint,
 )
 from trainer.config import TrainConfig
+from trainer.dump_dir import CHECKPOINTS_DIR
 from trainer.fingerprint import FINGERPRINT_FILE, check_resumable
 from trainer.metrics import check_history
 from trainer.sampler import GlobalBatchSampler
@@ -23,7 +24,7 @@ def refuse_a_changed_run_early(cfg: TrainConfig, config_fingerprint: dict) -> No
     steps and the config keys of the fingerprint, from the newest checkpoint's fingerprint.json alone.
     A fingerprint.json that does not match its manifest (a flipped bit could read as a changed key)
     is left to resume(), which verifies the checkpoint and names the remedy."""
-    path = latest_checkpoint(Path(cfg.dump_dir) / "checkpoints")
+    path = latest_checkpoint(Path(cfg.dump_dir) / CHECKPOINTS_DIR)
     if path is None or not file_is_intact(path, FINGERPRINT_FILE):
         return
     _check_steps(cfg, path)
@@ -46,8 +47,8 @@ def resume(
     when there is a checkpoint); returns the step to continue after.
     Every rank reads the same files and reaches the same verdict, so all refuse together."""
     dump_dir = Path(cfg.dump_dir)
-    path = latest_checkpoint(dump_dir / "checkpoints")
-    refuse_damaged_newer(dump_dir / "checkpoints", checkpoint_step(path) if path is not None else 0)
+    path = latest_checkpoint(dump_dir / CHECKPOINTS_DIR)
+    refuse_damaged_newer(dump_dir / CHECKPOINTS_DIR, checkpoint_step(path) if path is not None else 0)
     step = 0
     if path is not None:
         group = dist.group.WORLD

@@ -25,7 +25,7 @@ from trainer.checkpoint import prune_checkpoints, save_checkpoint
 from trainer.config import CONFIG_FILE, TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
-from trainer.dump_dir import own_dump_dir
+from trainer.dump_dir import CHECKPOINTS_DIR, output_folders, own_dump_dir
 from trainer.fingerprint import (
     FINGERPRINT_FILE, config_fingerprint, data_fingerprint, run_fingerprint, write_fingerprint,
 )
@@ -133,7 +133,7 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     # Rank 0's name for the job on every rank (a static launch's is its agent's, so per node).
     launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, comm.world())[0])
     dump_dir = Path(cfg.dump_dir)
-    lock = own_dump_dir(dump_dir, cfg.checkpoint.freq > 0, launch.rank, launch.run_id, launch.restart_count,
+    lock = own_dump_dir(dump_dir, output_folders(cfg), launch.rank, launch.run_id, launch.restart_count,
                         comm.world())
     try:
         stopped = take_over_stop_marker(dump_dir, launch.run_id, launch.restart_count) if lock is not None else None
@@ -247,7 +247,7 @@ def _fit(
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
-    ckpt_root = Path(cfg.dump_dir) / "checkpoints"
+    ckpt_root = Path(cfg.dump_dir) / CHECKPOINTS_DIR
     profiler = StepProfiler(cfg, rank, trainer.device)
     memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, Path(cfg.dump_dir), rank, trainer.device,
                              trainer.roots, trainer.optimizer)
@@ -299,7 +299,7 @@ def _checkpoint(
     comm.set_phase("checkpoint save")
     if not weights_finite(trainer.roots, comm.world()):
         raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
-    root = Path(cfg.dump_dir) / "checkpoints"
+    root = Path(cfg.dump_dir) / CHECKPOINTS_DIR
     if background is not None and in_background:
         stalled = background.save(step, state(step=step))
         log(f"saving checkpoint of step {step} in the background (the step loop stalled {stalled:.3f} s)")

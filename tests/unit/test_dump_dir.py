@@ -11,7 +11,9 @@ import time
 import pytest
 
 from trainer import dump_dir
-from trainer.dump_dir import JOB_FILES, LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable
+from trainer.config import from_dict
+from trainer.dump_dir import (JOB_FILES, LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable,
+                               output_folders)
 
 
 @pytest.fixture(autouse=True)
@@ -154,15 +156,30 @@ def test_release_leaves_another_jobs_lock_alone(tmp_path):
 def test_unwritable_dump_dir_is_found_before_any_work(tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
-    assert "dump_dir=" in _unwritable(not_a_folder / "run", checkpoints=False)
+    assert "dump_dir=" in _unwritable(not_a_folder / "run", {})
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("")  # a file where the checkpoints folder goes
-    assert _unwritable(tmp_path / "run", checkpoints=False) is None
-    assert "checkpoints/ folder" in _unwritable(tmp_path / "run", checkpoints=True)
+    assert _unwritable(tmp_path / "run", {}) is None
+    assert "checkpoints/ folder" in _unwritable(tmp_path / "run", {"checkpoints": "checkpoint.freq > 0"})
+
+
+@pytest.mark.parametrize("overrides, folder, setting", [
+    ({"checkpoint": {"freq": 2}}, "checkpoints", "checkpoint.freq > 0"),
+    ({"metrics": {"tensorboard": True}}, "tb", "metrics.tensorboard=true"),
+    ({"profile_freq": 1, "dump_profile_traces": True}, "profile_traces", "dump_profile_traces=true"),
+    ({"mem_snapshot_stop_step": 1}, "memory_snapshots", "mem_snapshot_stop_step"),
+])
+def test_a_file_where_the_job_makes_a_folder_is_refused_naming_its_setting(tmp_path, overrides, folder, setting):
+    assert output_folders(from_dict({})) == {}
+    folders = output_folders(from_dict(overrides))
+    assert folders == {folder: setting}
+    (tmp_path / folder).write_text("")
+    assert _unwritable(tmp_path, folders).startswith(f"dump_dir (its {folder}/ folder, {setting})={tmp_path / folder} "
+                                                     "is not a writable folder")
 
 
 @pytest.mark.parametrize("name", JOB_FILES)
 def test_a_folder_where_the_job_writes_a_file_is_refused_up_front(tmp_path, name):
     (tmp_path / name).mkdir()
-    assert _unwritable(tmp_path, checkpoints=False) == (
+    assert _unwritable(tmp_path, {}) == (
         f"dump_dir={tmp_path} has a folder named {name}, where the job writes a file; move it away")
