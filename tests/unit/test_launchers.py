@@ -101,10 +101,17 @@ def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_pa
         assert (case / "scontrol_calls").read_text().split() == ["requeue", "1234"], override
 
 
-def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path):
+def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path, monkeypatch):
     """submitit gives a job up after 3 time limits by default: a multi-day run meets one per requeue."""
     from scripts.launch import MAX_TIME_LIMITS, slurm_executor
 
+    # submitit builds a Slurm executor only where `srun` is on PATH: a stand-in, so the test does not
+    # depend on whether the Slurm end-to-end tests have installed the real one yet.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu")
     assert executor._executor.max_num_timeout == MAX_TIME_LIMITS >= 1000
 
