@@ -209,8 +209,10 @@ class Fp8Gemm(nn.Module):
         history[0].zero_()
 
     # --- the microbatch protocol (FSDP's scheduler marks) -----------------------------------------
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None:
         self.is_first_microbatch = is_first
+        if is_first is None:  # unmarked: no cast is reused, so none is kept
+            self._weight_cast = None
 
     # --- FSDP's fp8 all-gather ---------------------------------------------------------------------
     @property

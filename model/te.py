@@ -114,7 +114,7 @@ class _MicrobatchMarks(nn.Module):
         self.cache_fp8_weights = cache_fp8_weights
         self.is_first_microbatch: bool | None = None
 
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None:
         self.is_first_microbatch = is_first if self.cache_fp8_weights else None
 
 

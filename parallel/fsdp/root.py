@@ -21,11 +21,18 @@ class FSDPRoot:
         self.reductions = ReductionQueue(reductions_in_flight)
         self._index = {id(u): i for i, u in enumerate(units)}
 
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None:
         """Call before the forward AND before the backward of each microbatch: a pipeline schedule
         may run another microbatch's forward in between, and both passes read these flags."""
         for unit in self.units:
             unit.set_microbatch(is_first, is_last)
+
+    def clear_microbatch(self) -> None:
+        """Back to unmarked once the scheduler's step (or evaluation) is over, as before the first:
+        a forward it does not drive (a probe, generation) then casts its fp8 weights afresh rather than
+        reuse the cast of weights the optimizer has since changed, and reduces its own gradients."""
+        for unit in self.units:
+            unit.set_microbatch(None, True)
 
     def prefetch_next(self, unit: FSDPUnit) -> None:
         """Forward: start the next unit's all-gather (at most one ahead)."""

@@ -80,9 +80,10 @@ class FSDPConfig:
 
 @runtime_checkable
 class MicrobatchAware(Protocol):
-    """A submodule that wants the scheduler's marks, e.g. to cache an fp8 weight cast for the step."""
+    """A submodule that wants the scheduler's marks, e.g. to cache an fp8 weight cast for the step;
+    is_first=None means unmarked (outside a scheduled step): nothing may be reused."""
 
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None: ...
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None: ...
 
 
 class FSDPUnit:
@@ -163,7 +164,7 @@ class FSDPUnit:
         """Whether this microbatch's gradient is reduced (rather than accumulated unsharded)."""
         return self.is_last_microbatch or self.cfg.grad_reduce == "per_microbatch"
 
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None:
         """The scheduler's marks, for this unit and the submodules that want them."""
         self.is_last_microbatch = is_last
         for module in self._microbatch_aware:

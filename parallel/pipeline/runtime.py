@@ -92,6 +92,8 @@ class PipelineRuntime:
         for work, _ in self._sending:
             comm.wait(work, "send", self.group)
         self._sending.clear()
+        for root in self.roots:
+            root.clear_microbatch()
         if self._saved or self._inbox or self._outbox:
             raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
 

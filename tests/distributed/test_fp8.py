@@ -79,6 +79,9 @@ def _check_first_step(world: int) -> None:
         assert step0[WEIGHT] > 0 and step0[INPUT] == 0 and (step1 > 0).all(), gemm.amax_history[-2:]
         # Step 0 saw every piece of the weight: the same amax as step 1's cast of the whole weight.
         assert step0[WEIGHT] == step1[WEIGHT] and gemm.scale_is_set.all() and gemm.activation_scales_set
+        # Unmarked again after the step: a forward the runtime does not drive (a probe, generation)
+        # casts the updated weights afresh instead of reusing the cast made before the optimizer step.
+        assert gemm.is_first_microbatch is None and gemm._weight_cast is None
     state = trainer.optimizer.state()
     zeros = total = 0
     for unit in (u for root in trainer.roots for u in root.units if u.name.startswith("layers.")):
