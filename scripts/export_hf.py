@@ -106,7 +106,7 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours.
     One difference transformers keeps for a model that adds a prefix space: text that itself begins
     with whitespace tokenizes differently there (documents rarely do; ours adds none)."""
-    shutil.copyfile(tokenizer.model_path, out / "tokenizer.model")
+    (out / "tokenizer.model").write_bytes(tokenizer.model_bytes)
     config = {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
         "bos_token": tokenizer.piece(tokenizer.bos_id), "eos_token": tokenizer.piece(tokenizer.eos_id),

@@ -19,7 +19,8 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from parallel import comm
-from trainer.checkpoint import CheckpointError, complete_save, own_files, prepare_save, prune_checkpoints
+from trainer.checkpoint import (CheckpointError, ExtraFiles, complete_save, own_files, prepare_save,
+                                prune_checkpoints)
 
 
 @dataclass
@@ -33,7 +34,7 @@ class _InFlight:
 
 class AsyncCheckpointer:
     def __init__(self, root: Path, group: ProcessGroup, save_group: Callable[[], ProcessGroup], rank: int,
-                 keep: int, extra_files: dict[str, Path], log: Callable[[str], None], device: torch.device):
+                 keep: int, extra_files: ExtraFiles, log: Callable[[str], None], device: torch.device):
         """`save_group()` gives the background writes' own process group (created on first use)."""
         self.root, self.group, self.save_group, self.rank, self.device = root, group, save_group, rank, device
         self.keep, self.extra_files, self.log = keep, extra_files, log

@@ -20,6 +20,9 @@ from parallel import comm
 from parallel.errors import ConfigError
 
 MANIFEST = "manifest.json"
+# Files every checkpoint carries besides the state (tokenizer, config, fingerprint): a path is copied
+# at each save, bytes are what was read once at start (the tokenizer in use, whatever its file becomes).
+ExtraFiles = dict[str, Path | bytes]
 _STEP_PREFIX = "step_"
 
 
@@ -75,7 +78,7 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint(
-    root: Path, step: int, state: dict, group: ProcessGroup, rank: int, extra_files: dict[str, Path]
+    root: Path, step: int, state: dict, group: ProcessGroup, rank: int, extra_files: ExtraFiles
 ) -> Path:
     tmp = prepare_save(root, step, group, rank)
     _dcp_io().save_state(state, tmp, group)
@@ -102,7 +105,7 @@ def own_files(tmp: Path, rank: int) -> dict[str, dict]:
 
 
 def complete_save(tmp: Path, mine: dict[str, dict], group: ProcessGroup, rank: int,
-                  extra_files: dict[str, Path]) -> Path:
+                  extra_files: ExtraFiles) -> Path:
     """Every rank's files are written: rank 0 checks that it sees them all, writes the manifest (last)
     and renames the folder into place; every rank gets its verdict. Returns the checkpoint's final
     path. A save rank 0 cannot complete raises CheckpointError on every rank and leaves the hidden
@@ -116,7 +119,7 @@ def complete_save(tmp: Path, mine: dict[str, dict], group: ProcessGroup, rank: i
     return final
 
 
-def _finish_or_problem(tmp: Path, final: Path, entries: list, extra_files: dict[str, Path]) -> str | None:
+def _finish_or_problem(tmp: Path, final: Path, entries: list, extra_files: ExtraFiles) -> str | None:
     """Rank 0: complete the save, or say why not (a rank that raised alone would leave the others waiting)."""
     for writer, rank_entries in enumerate(entries):
         for name, entry in rank_entries.items():
@@ -136,12 +139,15 @@ def _file_entry(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def _finish(tmp: Path, final: Path, entries: list, extra_files: dict[str, Path]) -> None:
+def _finish(tmp: Path, final: Path, entries: list, extra_files: ExtraFiles) -> None:
     files: dict[str, dict] = {}
     for rank_entries in entries:
         files.update(rank_entries)
     for name, src in extra_files.items():
-        shutil.copyfile(src, tmp / name)
+        if isinstance(src, bytes):
+            (tmp / name).write_bytes(src)
+        else:
+            shutil.copyfile(src, tmp / name)
     for path in tmp.iterdir():
         if path.name not in files:
             files[path.name] = _file_entry(path)

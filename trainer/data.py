@@ -23,7 +23,6 @@ from trainer.dump_dir import write_problem
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.token_shards import (
     PackedTokens,
-    file_sha256,
     is_complete,
     sources_fingerprint,
     write_packed_tokens,
@@ -74,7 +73,19 @@ def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
     by_name = partial(_relative_name, root)
-    return sorted(files, key=by_name), sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+    return _once_each(sorted(files, key=by_name)), sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+
+
+def _once_each(files: list[Path]) -> list[Path]:
+    """A file linked under several names is read once, under its first name in order: read twice it
+    would be trained on twice, and a copy sorted last would land in the held-out tail."""
+    seen, once = set(), []
+    for path in files:
+        stat = path.stat()
+        if (stat.st_dev, stat.st_ino) not in seen:
+            seen.add((stat.st_dev, stat.st_ino))
+            once.append(path)
+    return once
 
 
 def _is_source_suffix(path: Path) -> bool:
@@ -124,10 +135,10 @@ class _CachePaths:
         return is_complete(self.tokens) and (tokenizer_given or self.tokenizer.is_file())
 
 
-def _cache_key(files: list[Path], vocab_size: int, tokenizer: Tokenizer | None) -> str:
+def _cache_key(sources: str, vocab_size: int, tokenizer: Tokenizer | None) -> str:
     # A given tokenizer is keyed by content, so replacing the file at the same path rebuilds.
-    recipe = file_sha256(tokenizer.model_path) if tokenizer else trainer_settings_fingerprint()
-    parts = [CACHE_VERSION, sources_fingerprint(files), vocab_size, recipe]
+    recipe = tokenizer.sha256 if tokenizer else trainer_settings_fingerprint()
+    parts = [CACHE_VERSION, sources, vocab_size, recipe]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -169,7 +180,8 @@ def prepare_dataset(
         check_trainable_vocab_size(vocab_size)
     files, left_out = list_source(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
-    key = _cache_key(files, vocab_size, given)
+    sources = sources_fingerprint(files)
+    key = _cache_key(sources, vocab_size, given)
     agree(key)
     paths = _CachePaths(Path(cache_dir), key)
     if paths.complete(given is not None):  # nothing is written: a complete cache may be on a read-only mount
@@ -184,22 +196,29 @@ def prepare_dataset(
         if left_out:
             log(f"data: left out {len(left_out)} file(s) under data.source={source} that are not "
                 f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
-        _build_or_mark_error(files, vocab_size, given, paths, log)
+        _build_or_mark_error(files, sources, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or Tokenizer(paths.tokenizer)
-    return tokenizer, PackedTokens(paths.tokens)
+    tokens = PackedTokens(paths.tokens)
+    packed_with = tokens.meta.get("tokenizer_sha256")
+    if packed_with is not None and packed_with != tokenizer.sha256:
+        # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
+        raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
+                          f"{tokenizer.model_path}; delete {paths.tokens} to pack the data again")
+    return tokenizer, tokens
 
 
 def _build_or_mark_error(
     files: list[Path],
+    sources: str,
     vocab_size: int,
     given: Tokenizer | None,
     paths: _CachePaths,
     log: Callable[[str], None],
 ) -> None:
     try:
-        _build(files, vocab_size, given, paths, log)
+        _build(files, sources, vocab_size, given, paths, log)
     except Exception as exc:
         _write_error_marker(paths.error, exc)
         raise
@@ -207,6 +226,7 @@ def _build_or_mark_error(
 
 def _build(
     files: list[Path],
+    sources: str,
     vocab_size: int,
     given: Tokenizer | None,
     paths: _CachePaths,
@@ -222,7 +242,7 @@ def _build(
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
         tokenizer = Tokenizer(paths.tokenizer)
     start = time.monotonic()
-    write_packed_tokens(files, tokenizer, paths.tokens, progress=log)
+    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, sources=sources)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")
 
 

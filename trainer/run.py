@@ -21,7 +21,7 @@ from parallel.pipeline.schedule import schedule_actions
 from parallel.random import RNGStreams
 from parallel import comm
 from trainer.async_save import AsyncCheckpointer
-from trainer.checkpoint import prune_checkpoints, save_checkpoint
+from trainer.checkpoint import ExtraFiles, prune_checkpoints, save_checkpoint
 from trainer.config import CONFIG_FILE, TrainConfig
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
@@ -46,7 +46,7 @@ from trainer.resume import refuse_a_changed_run_early, resume
 from trainer.state import checkpoint_state
 from trainer.validate import layout_noops
 from trainer.tensorboard import TensorBoardLog
-from trainer.token_shards import TOKENS_FILE, file_sha256
+from trainer.token_shards import TOKENS_FILE
 from trainer.tokenizer import Tokenizer
 
 
@@ -160,7 +160,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
                     rank=launch.rank, layout=mesh.dims)
     fingerprint = run_fingerprint(
         cfg, dtype_name, loader.sampler.global_batch_size,
-        file_sha256(Path(tokenizer.model_path)),
+        tokenizer.sha256,
         data_fingerprint(loader.tokens.path / TOKENS_FILE, loader.tokens.num_tokens, loader.tokens.meta["tokens_sha256"]),
     )
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
@@ -182,7 +182,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         write_fingerprint(dump_dir, fingerprint)
         record_history_owner(dump_dir, launch.run_id)
-    extra_files = {"tokenizer.model": Path(tokenizer.model_path), CONFIG_FILE: config_file,
+    extra_files = {"tokenizer.model": tokenizer.model_bytes, CONFIG_FILE: config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
     _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request, launch.run_id)
 
@@ -242,7 +242,7 @@ def _same_data_on_every_rank(cache_key: str) -> None:
 
 
 def _fit(
-    cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: dict[str, Path],
+    cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: ExtraFiles,
     rank: int, log: Callable[[str], None], stop_request: StopRequest, job: str,
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
@@ -291,7 +291,7 @@ def _fit(
 
 
 def _checkpoint(
-    cfg: TrainConfig, trainer: Trainer, step: int, state: Callable[..., dict], extra_files: dict[str, Path], rank: int,
+    cfg: TrainConfig, trainer: Trainer, step: int, state: Callable[..., dict], extra_files: ExtraFiles, rank: int,
     log: Callable[[str], None], background: AsyncCheckpointer | None, in_background: bool,
 ) -> None:
     """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal:

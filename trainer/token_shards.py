@@ -60,14 +60,6 @@ def _sample_offsets(size: int) -> list[int]:
     return [last * i // (_SAMPLE_PAGES - 1) for i in range(_SAMPLE_PAGES)]
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
 
@@ -154,13 +146,20 @@ def write_packed_tokens(
     out_dir: Path,
     progress: Callable[[str], None],
     num_threads: int = 2,
+    *,
+    sources: str,
 ) -> Path:
-    """Tokenizes `text_files` into `out_dir` (tokens.bin + meta.json), atomically."""
+    """Tokenizes `text_files` into `out_dir` (tokens.bin + meta.json), atomically. `sources` is their
+    sources_fingerprint when the caller decided to pack them (the cache key's): files that changed
+    since (written to during tokenizer training or packing) are refused rather than published."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     try:
         meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads)
+        if meta["sources_fingerprint"] != sources:
+            raise ConfigError("data.source changed while it was being prepared (a file was written to or "
+                              "replaced); start again once it is complete")
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         # mkdtemp makes the folder private; other users sharing the cache must be able to read it.
         os.chmod(tmp_dir, 0o755)
@@ -194,7 +193,7 @@ def _write_tokens(
         "dtype": dtype.name,
         "vocab_size": tokenizer.vocab_size,
         "tokenizer_path": str(tokenizer.model_path.resolve()),
-        "tokenizer_sha256": file_sha256(tokenizer.model_path),
+        "tokenizer_sha256": tokenizer.sha256,
         "num_documents": packer.num_documents,
         "num_files": len(text_files),
         "sources_fingerprint": sources_fingerprint(text_files),

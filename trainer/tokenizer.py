@@ -7,6 +7,7 @@ indentation included. Document reading lives here because both training and pack
 what a document is.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -25,15 +26,18 @@ MAX_TRAINING_LINES = 300_000
 
 
 class Tokenizer:
-    """A loaded SentencePiece model."""
+    """A loaded SentencePiece model. Its file is read once: `model_bytes` (what checkpoints and exports
+    carry) and `sha256` are of the very model in use, even if the file is replaced meanwhile."""
 
     def __init__(self, model_path: Path) -> None:
         self._model_path = Path(model_path)
         self._sp = spm.SentencePieceProcessor()
         try:
-            self._sp.Load(str(self._model_path))
+            self.model_bytes = self._model_path.read_bytes()
+            self._sp.LoadFromSerializedProto(self.model_bytes)
         except (OSError, RuntimeError) as exc:
             raise ConfigError(f"data.tokenizer={model_path} is not a sentencepiece model") from exc
+        self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
 
     @property
     def model_path(self) -> Path:

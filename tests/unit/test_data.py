@@ -19,7 +19,7 @@ from parallel.errors import ConfigError
 from trainer.data import BatchLoader, default_corpus_files, list_source, prepare_dataset
 from trainer.sampler import GlobalBatchSampler
 from trainer.token_shards import (
-    TOKENS_FILE, PackedTokens, file_sha256, is_complete, write_packed_tokens,
+    TOKENS_FILE, PackedTokens, is_complete, sources_fingerprint, write_packed_tokens,
 )
 from trainer.tokenizer import Tokenizer, iter_documents, train_tokenizer
 
@@ -54,6 +54,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+def _pack(files: list[Path], tokenizer: Tokenizer, out: Path, progress=lambda line: None) -> Path:
+    return write_packed_tokens(files, tokenizer, out, progress=progress, sources=sources_fingerprint(files))
+
+
 @pytest.fixture(scope="module")
 def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     model = tmp_path_factory.mktemp("tok") / "spm.model"
@@ -63,7 +67,7 @@ def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokeniz
 @pytest.fixture(scope="module")
 def packed(corpus: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> PackedTokens:
     out = tmp_path_factory.mktemp("packed") / "tokens"
-    write_packed_tokens(_source_files(str(corpus)), tokenizer, out, progress=lambda line: None)
+    _pack(_source_files(str(corpus)), tokenizer, out, lambda line: None)
     return PackedTokens(out)
 
 
@@ -106,7 +110,7 @@ def test_packed_tokens_match_direct_encoding(
     assert packed.meta["dtype"] == "uint16" and packed.meta["num_documents"] == len(documents)
     assert packed.meta["vocab_size"] == VOCAB and len(packed.meta["tokenizer_sha256"]) == 64
     # The hash of every byte written, computed while writing: what a resume compares.
-    assert packed.meta["tokens_sha256"] == file_sha256(packed.path / TOKENS_FILE)
+    assert packed.meta["tokens_sha256"] == hashlib.sha256((packed.path / TOKENS_FILE).read_bytes()).hexdigest()
     assert packed.meta["tokens_sha256"] == hashlib.sha256(np.asarray(expected, np.uint16).tobytes()).hexdigest()
     seq_len = 16
     assert packed.num_sequences(seq_len) == (len(expected) - 1) // seq_len
@@ -125,7 +129,7 @@ def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: Tokeni
     files = _source_files(str(root))
     documents = [doc for path in files for doc in iter_documents(path)]
     assert documents == ["one\r\ntwo\rthree\n", "x\r\ny"]
-    packed = PackedTokens(write_packed_tokens(files, tokenizer, tmp_path / "packed", progress=lambda line: None))
+    packed = PackedTokens(_pack(files, tokenizer, tmp_path / "packed", lambda line: None))
     expected = [t for doc in documents for t in [1, *tokenizer.encode(doc), 2]]
     assert packed.meta["num_documents"] == 2
     assert packed.sequence(0, packed.num_tokens - 1).tolist() == expected
@@ -138,7 +142,7 @@ def test_a_source_with_no_text_is_one_line(tokenizer: Tokenizer, tmp_path: Path)
     (root / "a.txt").write_bytes(b"")
     (root / "b.jsonl").write_text(json.dumps({"text": ""}) + "\n\n")
     with pytest.raises(ConfigError, match=r'^data.source holds no text \(empty files, or empty "text" fields only\)$'):
-        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=lambda line: None)
+        _pack(_source_files(str(root)), tokenizer, tmp_path / "packed", lambda line: None)
     assert not any(p.name.startswith(".packed") for p in tmp_path.iterdir())  # nothing half-written left
 
 
@@ -160,7 +164,7 @@ def test_failed_write_leaves_nothing(tokenizer: Tokenizer, tmp_path: Path) -> No
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"no_text": 1}\n')
     with pytest.raises(ConfigError, match=r"data.source=.*bad.jsonl:2"):
-        write_packed_tokens([bad], tokenizer, tmp_path / "out" / "tokens", progress=lambda line: None)
+        _pack([bad], tokenizer, tmp_path / "out" / "tokens", lambda line: None)
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -233,15 +237,17 @@ def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_fi
     (elsewhere / "c.md").write_text("gamma")
     (root / "linked").symlink_to(elsewhere)  # a corpus assembled from links
     (elsewhere / "loop").symlink_to(root)  # and a loop back, read once
+    (root / "zz_latest.txt").symlink_to(root / "own" / "a.txt")  # a file under two names: read once,
+    os.link(elsewhere / "c.md", root / "own" / "hard.md")  # also when hard-linked
     files = _source_files(str(root))
     assert [p.relative_to(root).as_posix() for p in files] == ["linked/c.md", "own/a.txt"]
     # Another encoding inside a folder is refused by name (a single-file source is checked up front).
     (root / "own" / "d.txt").write_text("delta " * 50, encoding="utf-16")
     with pytest.raises(ConfigError, match=r"^data.source file .*own/d.txt is not UTF-8 text \(invalid byte at offset 0\)$"):
-        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+        _pack(_source_files(str(root)), tokenizer, tmp_path / "packed", print)
     (root / "own" / "d.txt").write_bytes(b"delta\xff")  # a short file has no cut character to excuse
     with pytest.raises(ConfigError, match=r"own/d.txt is not UTF-8 text \(invalid byte at offset 5\)"):
-        write_packed_tokens(_source_files(str(root)), tokenizer, tmp_path / "packed", progress=print)
+        _pack(_source_files(str(root)), tokenizer, tmp_path / "packed", print)
 
 
 def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_path: Path, monkeypatch) -> None:
@@ -275,6 +281,41 @@ def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path
     tok, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
     assert tok.model_path == tokenizer.model_path and tokens.meta["tokenizer_sha256"]
     assert not list(tmp_path.glob("tokenizer-*"))  # a given tokenizer is not retrained
+
+
+def test_tokens_packed_with_another_tokenizer_are_refused(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """E.g. the tokenizer folder was deleted and trained again by another sentencepiece version, while
+    the tokens folder of the same key stayed: the tokens must not be read with the new tokenizer."""
+    _, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
+    meta = json.loads((tokens.path / "meta.json").read_text())
+    assert meta["tokenizer_sha256"] == tokenizer.sha256 == hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest()
+    (tokens.path / "meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir: {tokens.path} was packed with another tokenizer than "
+                                          rf"{tokenizer.model_path}; delete {tokens.path} to pack the data again$"):
+        prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
+
+
+def test_a_source_written_to_while_it_is_packed_is_not_published(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    source = tmp_path / "a.txt"
+    source.write_text("alpha beta\n")
+    keyed = sources_fingerprint([source])  # when the cache key was taken
+    with source.open("a") as f:
+        f.write("gamma\n")
+    with pytest.raises(ConfigError, match=r"^data.source changed while it was being prepared"):
+        write_packed_tokens([source], tokenizer, tmp_path / "out" / "tokens", progress=print, sources=keyed)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_tokenizer_is_read_once(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """What checkpoints and exports carry, and the fingerprint's sha, are the model in use, even when
+    its file is replaced during the run."""
+    path = tmp_path / "spm.model"
+    shutil.copyfile(tokenizer.model_path, path)
+    loaded = Tokenizer(path)
+    path.write_bytes(b"another model")
+    assert loaded.model_bytes == tokenizer.model_path.read_bytes()
+    assert loaded.sha256 == hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest()
+    assert loaded.encode("alpha beta") == tokenizer.encode("alpha beta")
 
 
 def test_cache_is_built_once_and_half_written_folders_never_count(corpus: Path, tmp_path: Path) -> None:
