@@ -202,9 +202,9 @@ def _finish(work: ComposedWork, async_op: bool) -> ComposedWork | None:
 
 
 def _check_split(op: str, whole: torch.Tensor, part: torch.Tensor, group: ProcessGroup) -> None:
-    """The sizes torch's own collective insists on: `chunk` would split anything, unevenly or into fewer
-    pieces, and a rank that then failed alone would leave the others waiting."""
-    if whole.numel() != part.numel() * group.size() or whole.dtype != part.dtype:
+    """The sizes torch's own collective insists on, checked alike on every rank before anything is
+    sent: a rank that failed alone later (no piece of its own) would leave the others waiting."""
+    if whole.numel() != part.numel() * group.size() or part.numel() == 0 or whole.dtype != part.dtype:
         raise ValueError(f"{op} on group {group_name(group)}: {tuple(whole.shape)} {whole.dtype} is not "
                          f"{group.size()} x {tuple(part.shape)} {part.dtype}")
 
@@ -214,8 +214,8 @@ def _gather_by_broadcasts(output: torch.Tensor, shard: torch.Tensor, group: Proc
     the compute an asynchronous gather overlaps (FSDP's prefetch), that is one more unsharded unit.
     Each rank's broadcast of its shard lands straight in `output` instead, the same bytes per rank."""
     _check_split("all_gather", output, shard, group)
-    chunks = output.chunk(group.size())
-    chunks[group.rank()].copy_(shard)
+    chunks = output.view(-1).split(shard.numel())
+    chunks[group.rank()].copy_(shard.reshape(-1))
     return ComposedWork([dist.broadcast(chunk, group=group, group_src=i, async_op=True)
                          for i, chunk in enumerate(chunks)])
 
@@ -227,7 +227,8 @@ def _reduce_scatter_in_place(output: torch.Tensor, full: torch.Tensor, group: Pr
     the copy, which would otherwise live beside it while the reduction is in flight."""
     _check_split("reduce_scatter", full, output, group)
     work = dist.all_reduce(full, op=op, group=group, async_op=True)
-    return ComposedWork([work], lambda: output.copy_(full.chunk(group.size())[group.rank()]))
+    mine = full.view(-1).split(output.numel())[group.rank()]
+    return ComposedWork([work], lambda: output.view(-1).copy_(mine))
 
 
 def wait(work: Pending, op: str, group: ProcessGroup | None, label: str = "") -> None:

@@ -78,6 +78,11 @@ def _check_gloo_lowerings(rank: int, group: dist.ProcessGroup) -> None:
                 comm.wait(work, "reduce_scatter", group)
             assert torch.equal(out, expected)
         assert comm.LEDGER.by_op() == {"reduce_scatter": {"count": 2, "bytes": 2 * 20 * full.element_size()}}
+    shard = torch.randn(3, 2)  # not flat: rows of its own on every rank
+    expected, gathered = torch.empty(12, 2), torch.empty(12, 2)
+    dist.all_gather_into_tensor(expected, shard, group=group)
+    comm.wait(comm.all_gather_into_tensor(gathered, shard, group, async_op=True), "all_gather", group)
+    assert torch.equal(gathered, expected)
     with pytest.raises(ValueError, match=r"all_gather on group dp: \(22,\) torch.float32 is not 4 x \(6,\)"):
         comm.all_gather_into_tensor(torch.empty(22), torch.zeros(6), group, async_op=True)
     with pytest.raises(ValueError, match="reduce_scatter on group dp"):
