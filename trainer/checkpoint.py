@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch.distributed import ProcessGroup
@@ -22,7 +23,7 @@ from parallel.errors import ConfigError
 MANIFEST = "manifest.json"
 # Files every checkpoint carries besides the state (tokenizer, config, fingerprint): a path is copied
 # at each save, bytes are what was read once at start (the tokenizer in use, whatever its file becomes).
-ExtraFiles = dict[str, Path | bytes]
+ExtraFiles = Mapping[str, Path | bytes]
 _STEP_PREFIX = "step_"
 
 

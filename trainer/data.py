@@ -22,6 +22,7 @@ from parallel.errors import ConfigError
 from trainer.dump_dir import write_problem
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.token_shards import (
+    SOURCE_CHANGED,
     PackedTokens,
     is_complete,
     sources_fingerprint,
@@ -73,7 +74,8 @@ def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
     if not files:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
     by_name = partial(_relative_name, root)
-    return _once_each(sorted(files, key=by_name)), sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+    left_out = sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+    return _once_each(sorted(files, key=by_name)), left_out
 
 
 def _once_each(files: list[Path]) -> list[Path]:
@@ -82,8 +84,9 @@ def _once_each(files: list[Path]) -> list[Path]:
     seen, once = set(), []
     for path in files:
         stat = path.stat()
-        if (stat.st_dev, stat.st_ino) not in seen:
-            seen.add((stat.st_dev, stat.st_ino))
+        identity = (stat.st_dev, stat.st_ino) if stat.st_ino else path.resolve()  # 0: no inode numbers
+        if identity not in seen:
+            seen.add(identity)
             once.append(path)
     return once
 
@@ -201,8 +204,7 @@ def prepare_dataset(
         _wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or Tokenizer(paths.tokenizer)
     tokens = PackedTokens(paths.tokens)
-    packed_with = tokens.meta.get("tokenizer_sha256")
-    if packed_with is not None and packed_with != tokenizer.sha256:
+    if tokens.meta["tokenizer_sha256"] != tokenizer.sha256:
         # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
         raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
                           f"{tokenizer.model_path}; delete {paths.tokens} to pack the data again")
@@ -239,6 +241,9 @@ def _build(
             start = time.monotonic()
             log(f"data: training a BPE tokenizer, vocab_size={vocab_size}")
             train_tokenizer(files, vocab_size, paths.tokenizer)
+            if sources_fingerprint(files) != sources:  # trained on text the tokens would not be packed from
+                paths.tokenizer.unlink()
+                raise ConfigError(SOURCE_CHANGED)
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
         tokenizer = Tokenizer(paths.tokenizer)
     start = time.monotonic()

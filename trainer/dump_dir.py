@@ -29,11 +29,8 @@ from parallel import comm
 from parallel.errors import ConfigError
 from trainer.config import CONFIG_FILE, TrainConfig
 from trainer.fingerprint import FINGERPRINT_FILE
-from trainer.memory import FOLDER as SNAPSHOTS_DIR
 from trainer.metrics import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
 from trainer.preemption import STOPPED_FILE
-from trainer.profiling import TRACES_DIR
-from trainer.tensorboard import TB_DIR
 
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
@@ -46,7 +43,11 @@ STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
 JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
              FINGERPRINT_FILE, CONFIG_FILE)
+# The folders a job may make in its dump_dir (output_folders says when).
 CHECKPOINTS_DIR = "checkpoints"
+TB_DIR = "tb"
+TRACES_DIR = "profile_traces"
+SNAPSHOTS_DIR = "memory_snapshots"
 
 
 def output_folders(cfg: TrainConfig) -> dict[str, str]:

@@ -24,9 +24,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from parallel.fsdp import FSDPRoot
+from trainer.dump_dir import SNAPSHOTS_DIR
 from trainer.optimizer import NamedAdamW
 
-FOLDER = "memory_snapshots"
 CUDA_HISTORY_ENTRIES = 100_000
 
 
@@ -104,7 +104,7 @@ class MemorySnapshots:
         """Inactive without a stop step, or when a resumed job starts past it."""
         self.stop_step = stop_step if stop_step is not None and stop_step > start_step else None
         self.rank, self.device = rank, device
-        self.folder = dump_dir / FOLDER
+        self.folder = dump_dir / SNAPSHOTS_DIR
         self.live: LiveBytes | None = None
         if self.stop_step is None:
             return

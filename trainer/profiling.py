@@ -16,9 +16,9 @@ from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config import TrainConfig
+from trainer.dump_dir import TRACES_DIR
 
 TOP_OPERATORS = 15
-TRACES_DIR = "profile_traces"
 # Python frames, recorded with profile_with_stack on every thread: an idle one (the dump_dir lock's
 # heartbeat waiting on its event) would top a table of operators.
 _PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")

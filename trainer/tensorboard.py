@@ -8,9 +8,9 @@ of the steps it redoes, as metrics.jsonl moves their records aside, so curves ne
 
 from pathlib import Path
 
+from trainer.dump_dir import TB_DIR
 from trainer.metrics import StepMetrics
 
-TB_DIR = "tb"
 _SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
             "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib", "skipped_steps")
 

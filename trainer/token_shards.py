@@ -34,6 +34,10 @@ _SAMPLE_BYTES = 4096
 _SAMPLE_PAGES = 16
 
 
+SOURCE_CHANGED = ("data.source changed while it was being prepared (a file was written to or replaced); "
+                  "start again once it is complete")
+
+
 def sources_fingerprint(text_files: list[Path]) -> str:
     """Cheap fingerprint of the corpus: absolute path, size, mtime and content of every file, whole up
     to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
@@ -158,8 +162,7 @@ def write_packed_tokens(
     try:
         meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads)
         if meta["sources_fingerprint"] != sources:
-            raise ConfigError("data.source changed while it was being prepared (a file was written to or "
-                              "replaced); start again once it is complete")
+            raise ConfigError(SOURCE_CHANGED)
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         # mkdtemp makes the folder private; other users sharing the cache must be able to read it.
         os.chmod(tmp_dir, 0o755)
@@ -213,7 +216,7 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-_META_KEYS = ("num_tokens", "vocab_size", "dtype", "tokens_sha256")
+_META_KEYS = ("num_tokens", "vocab_size", "dtype", "tokens_sha256", "tokenizer_sha256")
 
 
 def _read_meta(folder: Path) -> dict:

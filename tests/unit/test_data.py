@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parallel.errors import ConfigError
+from trainer import data
 from trainer.data import BatchLoader, default_corpus_files, list_source, prepare_dataset
 from trainer.sampler import GlobalBatchSampler
 from trainer.token_shards import (
@@ -304,6 +305,23 @@ def test_a_source_written_to_while_it_is_packed_is_not_published(tokenizer: Toke
     with pytest.raises(ConfigError, match=r"^data.source changed while it was being prepared"):
         write_packed_tokens([source], tokenizer, tmp_path / "out" / "tokens", progress=print, sources=keyed)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_tokenizer_trained_on_a_source_written_to_meanwhile_is_not_kept(corpus: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    train = data.train_tokenizer
+
+    def train_while_a_file_changes(files, vocab_size, model_path):
+        path = train(files, vocab_size, model_path)
+        files[0].touch()  # a writer appends during training: the mtime moves
+        return path
+
+    source = tmp_path / "corpus"
+    shutil.copytree(corpus, source)
+    monkeypatch.setattr(data, "train_tokenizer", train_while_a_file_changes)
+    with pytest.raises(ConfigError, match=r"^data.source changed while it was being prepared"):
+        prepare_dataset(str(source), None, VOCAB, tmp_path / "cache", True, lambda line: None)
+    assert not list((tmp_path / "cache").glob("tokenizer-*/*.model")) and not list((tmp_path / "cache").glob("tokens-*"))
 
 
 def test_the_tokenizer_is_read_once(tokenizer: Tokenizer, tmp_path: Path) -> None:
