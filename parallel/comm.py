@@ -194,13 +194,6 @@ def _on_gloo(group: ProcessGroup, tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-def _finish(work: ComposedWork, async_op: bool) -> ComposedWork | None:
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
 def _check_split(op: str, whole: torch.Tensor, part: torch.Tensor, group: ProcessGroup) -> None:
     """The sizes torch's own collective insists on, checked alike on every rank before anything is
     sent: a rank that failed alone later (no piece of its own) would leave the others waiting."""
@@ -270,7 +263,11 @@ def reduce_scatter_tensor(
     _record("reduce_scatter", group, _nbytes(full))
     with traced("reduce_scatter", group, label, blocking=not async_op):
         if consume_input and _on_gloo(group, full):
-            return _finish(_reduce_scatter_in_place(output, full, group, op), async_op)
+            work = _reduce_scatter_in_place(output, full, group, op)
+            if async_op:
+                return work
+            work.wait()
+            return None
         return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 

@@ -54,7 +54,7 @@ def output_folders(cfg: TrainConfig) -> dict[str, str]:
     """The folders the job will make in its dump_dir, each with the setting that asks for it."""
     wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0, "checkpoint.freq > 0"),
               TB_DIR: (cfg.metrics.tensorboard, "metrics.tensorboard=true"),
-              TRACES_DIR: (cfg.profile_freq > 0 and cfg.dump_profile_traces, "dump_profile_traces=true"),
+              TRACES_DIR: (cfg.dump_profile_traces, "dump_profile_traces=true"),
               SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step")}
     return {name: setting for name, (used, setting) in wanted.items() if used}
 
