@@ -107,6 +107,9 @@ class MemorySnapshots:
         self.folder = dump_dir / SNAPSHOTS_DIR
         self.live: LiveBytes | None = None
         if self.stop_step is None:
+            if stop_step is not None and rank == 0:
+                print(f"notice: mem_snapshot_stop_step={stop_step} is not past the resumed step {start_step}: "
+                      f"nothing is recorded (raise it to record again)", file=sys.stderr, flush=True)
             return
         if device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=CUDA_HISTORY_ENTRIES)
