@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,18 +56,23 @@ def default_corpus_files() -> list[Path]:
     return sorted(files, key=lambda path: str(path.relative_to(root)))
 
 
-def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
-    """`data.source` -> (the sorted files to train on, the visible files under it left out for their
-    suffix); None or "stdlib": the default corpus."""
+class SourceFiles(NamedTuple):
+    files: list[Path]  # to train on, sorted by name
+    left_out: list[Path]  # visible files under the folder, left out for their suffix
+    links: dict[Path, Path]  # a name left out -> the name its file is read under (linked twice)
+
+
+def list_source(source: str | None) -> SourceFiles:
+    """`data.source`'s files; None or "stdlib": the default corpus."""
     if source is None or source == "stdlib":
-        return default_corpus_files(), []
+        return SourceFiles(default_corpus_files(), [], {})
     root = Path(source).expanduser()
     if not root.exists():
         broken = root.is_symlink()  # exists() follows links: a dangling or looping link reads as absent
         raise ConfigError(f"data.source={source} {'is a link that leads nowhere' if broken else 'does not exist'}")
     if root.is_file():
         _check_text_file(root, source)
-        return [root], []
+        return SourceFiles([root], [], {})
     if not root.is_dir():
         raise ConfigError(f"data.source={source} is neither a file nor a folder (a pipe, socket or device)")
     visible = [path for path in _visible_files_under(root) if path.is_file()]
@@ -75,20 +81,24 @@ def list_source(source: str | None) -> tuple[list[Path], list[Path]]:
         raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
     by_name = partial(_relative_name, root)
     left_out = sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
-    return _once_each(sorted(files, key=by_name)), left_out
+    once, links = _once_each(sorted(files, key=by_name))
+    return SourceFiles(once, left_out, links)
 
 
-def _once_each(files: list[Path]) -> list[Path]:
+def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     """A file linked under several names is read once, under its first name in order: read twice it
-    would be trained on twice, and a copy sorted last would land in the held-out tail."""
-    seen, once = set(), []
+    would be trained on twice, and a copy sorted last would land in the held-out tail. Returns the
+    names read and, for each name dropped, the name its file is read under."""
+    first_name, once, links = {}, [], {}
     for path in files:
         stat = path.stat()
         identity = (stat.st_dev, stat.st_ino) if stat.st_ino else path.resolve()  # 0: no inode numbers
-        if identity not in seen:
-            seen.add(identity)
+        if identity in first_name:
+            links[path] = first_name[identity]
+        else:
+            first_name[identity] = path
             once.append(path)
-    return once
+    return once, links
 
 
 def _is_source_suffix(path: Path) -> bool:
@@ -181,7 +191,7 @@ def prepare_dataset(
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
-    files, left_out = list_source(source)
+    files, left_out, links = list_source(source)
     given = _load_given_tokenizer(tokenizer_path, vocab_size)
     sources = sources_fingerprint(files)
     key = _cache_key(sources, vocab_size, given)
@@ -199,6 +209,10 @@ def prepare_dataset(
         if left_out:
             log(f"data: left out {len(left_out)} file(s) under data.source={source} that are not "
                 f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
+        if links:
+            link, kept = next(iter(links.items()))
+            log(f"data: read {len(links)} file(s) under data.source={source} once though linked under two names, "
+                f"e.g. {link} (read as {kept})")
         _build_or_mark_error(files, sources, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)

@@ -52,7 +52,7 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
     (root / "x.JSONL").write_text('{"text": "delta"}\n')
     (root / "model.bin").write_bytes(b"\x00")
     (root / ".hidden.txt").write_text("tooling")
-    files, left_out = list_source(str(root))
+    files, left_out, _ = list_source(str(root))
     assert [p.name for p in files] == ["B.TXT", "README.Md", "a.txt", "x.JSONL"]
     assert [p.name for p in left_out] == ["model.bin"]
     assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
@@ -64,17 +64,27 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
            f"{root / 'model.bin'}" in logs
 
 
-def test_a_folder_reached_under_two_names_is_read_under_the_first_in_sorted_order(tmp_path: Path) -> None:
+def test_a_folder_reached_under_two_names_is_read_under_the_first_in_sorted_order(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
     """Whatever order the filesystem lists them in, the name kept (and so the document order) is the
-    same everywhere."""
+    same everywhere; the log says that names were dropped."""
     root = tmp_path / "corpus"
     (root / "m_real").mkdir(parents=True)
     (root / "m_real" / "doc.txt").write_text("doc")
     (root / "z_link").symlink_to(root / "m_real")
     (root / "a_link").symlink_to(root / "m_real")
     (root / "n.txt").write_text("n")
-    files, _ = list_source(str(root))
+    (root / "zz.txt").symlink_to(root / "n.txt")  # a file under two names: read once too
+    files, _, links = list_source(str(root))
     assert [p.relative_to(root).as_posix() for p in files] == ["a_link/doc.txt", "n.txt"]
+    assert {link.relative_to(root).as_posix(): kept.relative_to(root).as_posix() for link, kept in links.items()} \
+        == {"zz.txt": "n.txt"}
+    logs: list[str] = []
+    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
+    with pytest.raises(_Stop):
+        prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
+    assert f"data: read 1 file(s) under data.source={root} once though linked under several names, e.g. " \
+           f"{root / 'zz.txt'} (read as {root / 'n.txt'})" in logs
 
 
 def test_a_vocabulary_too_small_for_a_trained_tokenizer_is_refused_before_the_source_is_read(tmp_path: Path) -> None:
