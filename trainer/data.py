@@ -211,7 +211,7 @@ def prepare_dataset(
                 f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
         if links:
             link, kept = next(iter(links.items()))
-            log(f"data: read {len(links)} file(s) under data.source={source} once though linked under two names, "
+            log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
                 f"e.g. {link} (read as {kept})")
         _build_or_mark_error(files, sources, vocab_size, given, paths, log)
     else:

@@ -20,6 +20,15 @@ def _stop_before_building(*args: object) -> None:
     raise _Stop
 
 
+def _logs_until_building(root: Path, tmp_path: Path, monkeypatch) -> list[str]:
+    """What the main rank logs about `root` before it starts building the cache."""
+    logs: list[str] = []
+    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
+    with pytest.raises(_Stop):
+        prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
+    return logs
+
+
 def _edit_keeping_size_and_mtime(path: Path, offset: int) -> None:
     stat = path.stat()
     data = bytearray(path.read_bytes())
@@ -56,10 +65,7 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
     assert [p.name for p in files] == ["B.TXT", "README.Md", "a.txt", "x.JSONL"]
     assert [p.name for p in left_out] == ["model.bin"]
     assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
-    logs: list[str] = []
-    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
-    with pytest.raises(_Stop):
-        prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
+    logs = _logs_until_building(root, tmp_path, monkeypatch)
     assert f"data: left out 1 file(s) under data.source={root} that are not .txt/.jsonl/.md/.py, e.g. " \
            f"{root / 'model.bin'}" in logs
 
@@ -79,10 +85,7 @@ def test_a_folder_reached_under_two_names_is_read_under_the_first_in_sorted_orde
     assert [p.relative_to(root).as_posix() for p in files] == ["a_link/doc.txt", "n.txt"]
     assert {link.relative_to(root).as_posix(): kept.relative_to(root).as_posix() for link, kept in links.items()} \
         == {"zz.txt": "n.txt"}
-    logs: list[str] = []
-    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
-    with pytest.raises(_Stop):
-        prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
+    logs = _logs_until_building(root, tmp_path, monkeypatch)
     assert f"data: read 1 file(s) under data.source={root} once though linked under several names, e.g. " \
            f"{root / 'zz.txt'} (read as {root / 'n.txt'})" in logs
 
