@@ -18,7 +18,9 @@ Attention sees all keys of the sequence in one of two ways (`context_parallel_co
 
 Both use one attention core that returns its log-sum-exp (`attention_with_lse`) and a backward
 that takes the queries' final output and log-sum-exp: torch's CPU flash-attention kernel on CPU, the
-plain formula in fp32 elsewhere (the two are held together by tests/unit/test_cp_attention.py).
+plain formula in fp32 elsewhere (the two are held together by tests/unit/test_cp_attention.py). The
+plain formula runs over blocks of query rows, so that a long chunk never holds more than
+SCORES_BUDGET fp32 scores at once.
 
 With document ids (block-causal attention over packed documents; every rank has the whole sequence's),
 each visible chunk pair also masks the query-key pairs of different documents. A query can then see no
@@ -34,6 +36,9 @@ from parallel import comm
 from parallel.tensor_parallel import gather_from_sp
 
 SEQ = 2  # of [batch, heads, seq, head_dim]
+# fp32 attention scores (1 GiB) one block of query rows of the plain formula may hold: at 128k tokens
+# over 4 ranks a chunk pair's whole score matrix would be tens of GiB per tensor.
+SCORES_BUDGET = 2**28
 
 
 @dataclass
@@ -54,14 +59,25 @@ class CPContext:
         """This rank's chunks r and 2C-1-r of a full sequence dimension."""
         if self.size == 1:
             return x
+        self._check_length(x.shape[dim], 2 * self.size)
         chunks = x.chunk(2 * self.size, dim)
         return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim).contiguous()
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of the `local_len` tokens this CP rank holds."""
+        if self.size > 1:
+            self._check_length(local_len, 2)
         half = local_len // 2
         ranges = [torch.arange(c * half, (c + 1) * half, device=device) for c in (self.rank, 2 * self.size - 1 - self.rank)]
         return torch.cat(ranges) if self.size > 1 else torch.arange(local_len, device=device)
+
+    @staticmethod
+    def _check_length(length: int, chunks: int) -> None:
+        # Uneven chunks would put tokens at other positions than the rotary positions and the
+        # chunk-level causality assume (validate refuses such a seq_len; this guards direct callers).
+        if length % chunks:
+            raise ValueError(f"context parallelism: a sequence dimension of {length} does not split into {chunks} "
+                             f"equal chunks")
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -75,17 +91,23 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return math_attention_with_lse(q, k, v, causal, allowed)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal and allowed is None, attn_mask=_additive(allowed, q.dtype))
-    if allowed is not None:  # the kernel gives such a row a log-sum-exp of 0
-        lse = lse.masked_fill(~allowed.any(-1)[:, None], float("-inf"))
+    if allowed is not None:  # the kernel gives such a row a log-sum-exp of 0 (and, today, an output of 0)
+        blind = ~allowed.any(-1)[:, None]
+        lse = lse.masked_fill(blind, float("-inf"))
+        out = out.masked_fill(blind[..., None], 0.0)  # the merge would turn anything else times 0 into NaN
     return out.float(), lse
 
 
 def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                             allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _scores(q, k, causal, allowed)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(scores == float("-inf"), 0.0)  # no NaN rows
-    return probs @ v.float(), lse
+    outs, lses = [], []
+    for rows in _row_blocks(q, k):
+        scores = _scores(q[:, :, rows], k, causal, allowed, rows)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(scores == float("-inf"), 0.0)  # no NaN rows
+        outs.append(probs @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, SEQ), torch.cat(lses, -1)
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -105,10 +127,24 @@ def math_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             out: torch.Tensor, lse: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, out = grad_out.float(), out.float()
-    probs = torch.exp(_scores(q, k, causal, allowed) - lse.unsqueeze(-1))
-    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
-    grad_scores = probs * (grad_out @ v.float().transpose(-2, -1) - delta) * q.shape[-1] ** -0.5
-    return grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(), probs.transpose(-2, -1) @ grad_out
+    grad_q, grad_k, grad_v = [], None, None
+    for rows in _row_blocks(q, k):
+        probs = torch.exp(_scores(q[:, :, rows], k, causal, allowed, rows) - lse[..., rows].unsqueeze(-1))
+        delta = (grad_out[:, :, rows] * out[:, :, rows]).sum(-1, keepdim=True)  # rowsum(dO * O)
+        grad_scores = probs * (grad_out[:, :, rows] @ v.float().transpose(-2, -1) - delta) * q.shape[-1] ** -0.5
+        grad_q.append(grad_scores @ k.float())
+        block_k = grad_scores.transpose(-2, -1) @ q[:, :, rows].float()
+        block_v = probs.transpose(-2, -1) @ grad_out[:, :, rows]
+        grad_k = block_k if grad_k is None else grad_k + block_k
+        grad_v = block_v if grad_v is None else grad_v + block_v
+    return torch.cat(grad_q, SEQ), grad_k, grad_v
+
+
+def _row_blocks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
+    """The query rows of the plain formula's blocks: each holds at most SCORES_BUDGET scores."""
+    batch, heads, rows, _ = q.shape
+    per_block = max(1, SCORES_BUDGET // (batch * heads * k.shape[SEQ]))
+    return [slice(start, min(start + per_block, rows)) for start in range(0, rows, per_block)]
 
 
 def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -118,12 +154,14 @@ def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, allowed: torch.Tensor | None, rows: slice) -> torch.Tensor:
+    """Scores of the query rows `rows` (q holds those rows only) against every key."""
     scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
     if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    elif causal:
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(~allowed[:, None, rows], float("-inf"))
+    elif causal:  # q and k the same tokens: row i sees keys up to i
+        keys = torch.arange(k.shape[SEQ], device=q.device)
+        hidden = keys[None, :] > torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 

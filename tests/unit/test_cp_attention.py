@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from parallel import context_parallel
 from parallel.context_parallel import (
     attention_backward, attention_with_lse, math_attention_backward, math_attention_with_lse,
 )
@@ -68,3 +69,40 @@ def test_flash_and_math_cores_agree_under_a_document_mask_with_rows_that_see_no_
                          False, allowed)
         for got, want in zip(grads, (qq.grad, kk.grad, vv.grad)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+def test_the_plain_formula_over_blocks_of_query_rows_equals_it_in_one_block(mask: str, monkeypatch) -> None:
+    """A long chunk runs the plain formula over blocks of query rows (SCORES_BUDGET): same output,
+    log-sum-exp and gradients as one block, with the causal diagonal and document masks cut across
+    the blocks."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, grad_out = (torch.randn(2, 4, 12, 8, generator=gen) for _ in range(4))
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 2 + [1] * 4 + [2] * 6])
+    allowed = (docs[:, :, None] == docs[:, None, :]).tril() if mask == "documents" else None
+    whole = math_attention_with_lse(q, k, v, True, allowed)
+    whole_grads = math_attention_backward(grad_out, q, k, v, *whole, True, allowed)
+    monkeypatch.setattr(context_parallel, "SCORES_BUDGET", 2 * 4 * 12 * 5)  # blocks of 5, 5 and 2 rows
+    assert [(s.start, s.stop) for s in context_parallel._row_blocks(q, k)] == [(0, 5), (5, 10), (10, 12)]
+    blocked = math_attention_with_lse(q, k, v, True, allowed)
+    blocked_grads = math_attention_backward(grad_out, q, k, v, *blocked, True, allowed)
+    for got, want in zip((*blocked, *blocked_grads), (*whole, *whole_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None] if allowed is not None else None, is_causal=allowed is None)
+    torch.testing.assert_close(blocked[0], reference, rtol=1e-5, atol=1e-6)
+
+
+class _FirstOfTwoRanks(context_parallel.CPContext):
+    size, rank = 2, 0  # in place of a process group's
+
+
+def test_a_sequence_that_does_not_split_into_equal_chunks_is_refused() -> None:
+    """Uneven chunks would hold other tokens than their rotary positions say (seq 10 over 2 ranks: rank 0
+    would hold tokens 0, 1, 2, 9 at positions 0, 1, 6, 7)."""
+    cp = _FirstOfTwoRanks()
+    torch.testing.assert_close(cp.shard(torch.arange(12)[None]), torch.tensor([[0, 1, 2, 9, 10, 11]]))
+    with pytest.raises(ValueError, match="a sequence dimension of 10 does not split into 4 equal chunks"):
+        cp.shard(torch.arange(10)[None])
+    with pytest.raises(ValueError, match="a sequence dimension of 5 does not split into 2 equal chunks"):
+        cp.positions(5, torch.device("cpu"))
