@@ -3,7 +3,8 @@ second job (a duplicate launch, a sweep pointed at one folder) from writing into
 
 The lock is `{dump_dir}/.lock`, created exclusively (O_EXCL, which shared filesystems honour) by the
 job's rank 0 and holding who owns it. The holder touches it every few seconds; a lock whose holder is a
-dead process on this host, or whose heartbeat stopped (a holder on another node that died), or an
+dead process on this host (same host name, boot and pid namespace: containers that share a host name
+see other processes, or none, under a pid), or whose heartbeat stopped (a holder on another node that died), or an
 earlier attempt of the same torchrun job (its restart, which may put rank 0 on another node, comes
 only after torchrun stopped every worker of that attempt), is stale and taken over. Anything else is
 a live job, and the newcomer is refused in one line naming it. A lock that looks stale by the
@@ -63,8 +64,8 @@ class DumpDirLock:
     def __init__(self, dump_dir: Path, job: str, attempt: int = 0):
         """`job`: torchrun's run id; `attempt`: its restart count."""
         self.path = Path(dump_dir) / LOCK_FILE
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "attempt": attempt,
-                      "since": time.time()}
+        self.owner = {"host": socket.gethostname(), "pids": _pid_namespace(), "pid": os.getpid(), "job": job,
+                      "attempt": attempt, "since": time.time()}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -122,7 +123,8 @@ class DumpDirLock:
             return None
         if owner.get("job") == self.owner["job"] and owner.get("attempt", self.owner["attempt"]) < self.owner["attempt"]:
             return None
-        if owner.get("host") == self.owner["host"] and not _alive(int(owner.get("pid", -1))):
+        same_pids = (owner.get("host"), owner.get("pids")) == (self.owner["host"], self.owner["pids"])
+        if same_pids and not _alive(int(owner.get("pid", -1))):
             return None
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
         return f"job {owner.get('job')} (host {owner.get('host')}, pid {owner.get('pid')}, since {since})"
@@ -159,6 +161,15 @@ def _age(path: Path) -> float:
         return time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return 0.0
+
+
+def _pid_namespace() -> str | None:
+    """Where this process's pid means this process: the boot and the pid namespace (Linux); else None."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:

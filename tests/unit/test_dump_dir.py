@@ -1,4 +1,4 @@
-"""The dump_dir lock: a live holder keeps others out; a dead or silent one does not; only the holder
+"""The dump_dir lock: a live holder keeps others out; a dead (in this pid namespace) or silent one does not; only the holder
 releases it."""
 
 import json
@@ -48,6 +48,12 @@ def test_a_lock_whose_holder_died_or_went_silent_is_taken_over(tmp_path):
     assert taker.acquire() is None
     assert json.loads(lock.read_text())["job"] == "new"
     taker.release()
+
+    # The same host name in another pid namespace (a container on the host network): its pid means
+    # nothing here, so only its heartbeat tells, and while it beats the job is live.
+    lock.write_text(json.dumps({**owner, "pids": "another-boot pid:[1]", "pid": _dead_pid(), "job": "contained"}))
+    holder = DumpDirLock(tmp_path, "new").acquire()
+    assert holder is not None and "job contained" in holder
 
     lock.write_text(json.dumps({**owner, "host": "another-node", "pid": 1, "job": "silent"}))
     past = time.time() - STALE_AFTER_S - 1
