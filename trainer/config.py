@@ -263,6 +263,15 @@ def get_key(cfg: TrainConfig, key: str) -> Any:
     return obj
 
 
+def flat_values(cfg: TrainConfig) -> dict[str, Any]:
+    """Every key of the config (dotted, as on the command line) with its value."""
+    def flat(obj: Any, prefix: str) -> dict[str, Any]:
+        if not dataclasses.is_dataclass(obj):
+            return {prefix: obj}
+        return {key: value for f in fields(obj) for key, value in flat(getattr(obj, f.name), f"{prefix}{f.name}.").items()}
+    return {key.rstrip("."): value for key, value in flat(cfg, "").items()}
+
+
 def setting(cfg: TrainConfig, key: str) -> str:
     """`key=value` as it is written on the command line (true/false, null), for messages."""
     value = get_key(cfg, key)

@@ -22,7 +22,7 @@ from parallel.random import RNGStreams
 from parallel import comm
 from trainer.async_save import AsyncCheckpointer
 from trainer.checkpoint import ExtraFiles, prune_checkpoints, save_checkpoint
-from trainer.config import CONFIG_FILE, TrainConfig
+from trainer.config import CONFIG_FILE, TrainConfig, flat_values
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import CHECKPOINTS_DIR, output_folders, own_dump_dir
@@ -130,6 +130,7 @@ def _without_frames(e: BaseException) -> BaseException:
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device,
            stop_request: StopRequest) -> None:
     mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
+    _same_config_on_every_rank(cfg)
     # Rank 0's name for the job on every rank (a static launch's is its agent's, so per node).
     launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, comm.world())[0])
     dump_dir = Path(cfg.dump_dir)
@@ -229,6 +230,19 @@ def _build_data(
         )
     return tokenizer, loader, BatchLoader(tokens, eval_sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size,
                                           tokenizer.bos_id)
+
+
+def _same_config_on_every_rank(cfg: TrainConfig) -> None:
+    """Every rank resolved the same config: a node launched with other overrides, or a value resolved
+    per process (`dump_dir=run_${now:%H%M%S}`), would train other models or write into other folders."""
+    configs = comm.all_gather_object(flat_values(cfg), comm.world())
+    for rank, other in enumerate(configs):
+        differing = [key for key, value in configs[0].items() if other.get(key) != value]
+        if differing:
+            key = differing[0]
+            raise ConfigError(
+                f"{key}: rank {rank} resolved {other.get(key)!r}, rank 0 {configs[0][key]!r}; every rank must "
+                f"run the same overrides, and a value that resolves per process (such as ${{now:...}}) cannot be used")
 
 
 def _same_data_on_every_rank(cache_key: str) -> None:

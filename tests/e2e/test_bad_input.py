@@ -46,6 +46,15 @@ def test_world_size_not_divisible(tmp_path):
     assert_one_error(proc, "world size 2", "dp_replicate=3")
 
 
+def test_ranks_that_resolve_another_config_are_refused_before_anything_is_written(tmp_path):
+    """A value resolved in each process (here the time, to the microsecond) differs between ranks: they
+    would each train into a folder of their own."""
+    proc = train(2, tmp_path / "dump", *FAST, f"dump_dir={tmp_path}/run_${{now:%H%M%S%f}}", timeout=120)
+    assert_one_error(proc, "dump_dir: rank 1 resolved", "every rank must run the same overrides",
+                     "such as ${now:...}")
+    assert not list(tmp_path.glob("run_*/metrics.jsonl")) and not list(tmp_path.glob("run_*/.lock"))
+
+
 def test_hydra_writes_nothing_outside_dump_dir(tmp_path):
     train_ok(0, tmp_path / "dump", *FAST, "steps=1", cwd=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
