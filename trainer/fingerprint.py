@@ -148,6 +148,8 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
 
 def _hint(key: str, saved: dict[str, Any], current: dict[str, Any]) -> str:
     old = saved.get(key)
+    if key == "optim.decay_steps" and old is None:
+        return "the saved run held its LR constant (optim.min_lr_ratio=1): it has no decay end to continue"
     if key == "optim.decay_steps" and old < current.get("optim.warmup_steps", 0):
         # Such a schedule ended inside its warmup: there is no decay to continue (validate refuses it).
         return (f"where the LR decay ends: the saved run ended at step {old}, inside the warmup of "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.errors import ConfigError
 from parallel.random import RNGStreams
 from trainer.checkpoint import (
@@ -24,11 +25,30 @@ def refuse_a_changed_run_early(cfg: TrainConfig, config_fingerprint: dict) -> No
     steps and the config keys of the fingerprint, from the newest checkpoint's fingerprint.json alone.
     A fingerprint.json that does not match its manifest (a flipped bit could read as a changed key)
     is left to resume(), which verifies the checkpoint and names the remedy."""
-    path = latest_checkpoint(Path(cfg.dump_dir) / CHECKPOINTS_DIR)
+    path = newest_checkpoint(Path(cfg.dump_dir) / CHECKPOINTS_DIR)
     if path is None or not file_is_intact(path, FINGERPRINT_FILE):
         return
     _check_steps(cfg, path)
     check_resumable(path, config_fingerprint, cfg.resume.allow_changed)
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, the same on every rank: a node whose listing of the
+    shared folder lags (a network filesystem's cache, just after a restart) would load another step,
+    and the job would train on a mix of two states."""
+    path = latest_checkpoint(root)
+    steps = comm.all_gather_object(checkpoint_step(path) if path is not None else 0, comm.world())
+    differing = [rank for rank, step in enumerate(steps) if step != steps[0]]
+    if differing:
+        rank = differing[0]
+        raise CheckpointError(
+            f"dump_dir: rank {rank} sees {_newest(steps[rank])} in {root}, rank 0 {_newest(steps[0])}; every rank "
+            f"must see the same shared folder (a network filesystem may list late: run again)")
+    return path
+
+
+def _newest(step: int) -> str:
+    return f"newest checkpoint step_{step}" if step else "no checkpoint"
 
 
 def _check_steps(cfg: TrainConfig, path: Path) -> None:
@@ -47,7 +67,7 @@ def resume(
     when there is a checkpoint); returns the step to continue after.
     Every rank reads the same files and reaches the same verdict, so all refuse together."""
     dump_dir = Path(cfg.dump_dir)
-    path = latest_checkpoint(dump_dir / CHECKPOINTS_DIR)
+    path = newest_checkpoint(dump_dir / CHECKPOINTS_DIR)
     refuse_damaged_newer(dump_dir / CHECKPOINTS_DIR, checkpoint_step(path) if path is not None else 0)
     step = 0
     if path is not None:

@@ -25,10 +25,12 @@ from trainer.optimizer import ADAM_STATE, NamedAdamW
 from trainer.sampler import GlobalBatchSampler
 
 
-def rng_key(rank: int, layout: ParallelDims) -> str:
-    """RNG streams belong to a rank of one layout: another layout must not inherit them."""
+def rng_key(rank: int, layout: ParallelDims, device: torch.device) -> str:
+    """RNG streams belong to a rank of one layout on one kind of device (a CUDA generator's state is not
+    a CPU one's): another must not inherit them."""
+    on = "" if device.type == "cpu" else f"_{device.type}"  # CPU checkpoints keep the key they always had
     return (f"rank{rank}_of_{layout.world_size}_tp{layout.tp}_pp{layout.pp}_cp{layout.cp}"
-            f"_dpr{layout.dp_replicate}")
+            f"_dpr{layout.dp_replicate}{on}")
 
 
 def _boxed(unit: FSDPUnit, local: torch.Tensor) -> dict[str, BoxedParameter]:
@@ -58,7 +60,7 @@ def checkpoint_state(
         "optim": moments | {f"{u.name}.step": opt_state[f"{u.name}.flat_param"]["step"] for u in units},
         "trainer": {"step": torch.tensor(step, dtype=torch.int64)}
         | {k: torch.tensor(v, dtype=torch.int64) for k, v in sampler.state_dict().items()},
-        "rng": {rng_key(rank, layout): rng.state()},
+        "rng": {rng_key(rank, layout, rng.device): rng.state()},
     }
 
 

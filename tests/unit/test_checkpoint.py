@@ -98,6 +98,32 @@ def test_metadata_with_arbitrary_code_is_refused(tmp_path, world):
         load_checkpoint(path, target, world)
 
 
+def test_a_flipped_byte_in_the_metadata_is_found_by_verification_without_checksums(tmp_path, world):
+    """With checkpoint.verify_checksums=false sizes alone pass it; reading the metadata must not (a
+    damaged pickle raises TypeError, KeyError, MemoryError ... as well as UnpicklingError)."""
+    path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={})
+    original = (path / ".metadata").read_bytes()
+    for offset in (7, 10, len(original) // 2):  # the frame length (MemoryError, OverflowError), the body
+        data = bytearray(original)
+        data[offset] ^= 0x80
+        (path / ".metadata").write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="step_1 has unreadable metadata"):
+            verify_checkpoint(path, world, rank=0, world=1, checksums=False)
+
+
+def test_ranks_that_list_another_newest_checkpoint_refuse_to_resume(tmp_path, world, monkeypatch):
+    """Rank 1's listing of the shared folder lags: it would load step 2 while rank 0 loads step 3."""
+    from trainer import resume
+
+    for step in (2, 3):
+        save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})
+    assert resume.newest_checkpoint(tmp_path) == tmp_path / "step_3"
+    monkeypatch.setattr(resume.comm, "all_gather_object", lambda obj, group: [obj, 2])
+    with pytest.raises(CheckpointError, match=r"^dump_dir: rank 1 sees newest checkpoint step_2 in .*, rank 0 newest "
+                                              r"checkpoint step_3; every rank must see the same shared folder"):
+        resume.newest_checkpoint(tmp_path)
+
+
 def run_state(fp8: dict, shuffle_version: int | None = SHUFFLE_VERSION) -> dict:
     trainer = {"step": torch.tensor(3)} | ({} if shuffle_version is None else {"shuffle_version": torch.tensor(shuffle_version)})
     return {"fp8": fp8, "trainer": trainer, "rng": {"rank0": {"shared": torch.zeros(2)}}}

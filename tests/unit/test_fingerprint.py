@@ -68,6 +68,11 @@ def test_extending_a_run_at_constant_lr_needs_no_decay_end(tmp_path):
     check_resumable(_saved(tmp_path, run(100, 1.0)), run(200, 1.0), allowed=[])
     with pytest.raises(ConfigError, match="optim.decay_steps 100 -> 200 .*pass optim.decay_steps=100"):
         check_resumable(_saved(tmp_path, run(100, 0.1)), run(200, 0.1), allowed=[])
+    # Decay switched on at the resume of a constant-LR run: named, and allowable (it was a TypeError).
+    with pytest.raises(ConfigError) as err:
+        check_resumable(_saved(tmp_path, run(100, 1.0)), run(200, 0.1), allowed=[])
+    assert "optim.decay_steps None -> 200 (the saved run held its LR constant (optim.min_lr_ratio=1)" in str(err.value)
+    assert "resume.allow_changed=[optim.min_lr_ratio,optim.decay_steps]" in str(err.value)
 
 
 def test_the_fp8_format_cannot_change_while_saved_scales_carry_over(tmp_path):

@@ -52,4 +52,7 @@ def test_each_layout_of_a_world_keys_its_own_streams():
 
     layouts = [ParallelDims.from_sizes(8, 2, 2, 1, 1), ParallelDims.from_sizes(8, 2, 2, 2, 1),
                ParallelDims.from_sizes(8, 2, 2, 1, 2)]
-    assert len({rng_key(3, layout) for layout in layouts}) == 3
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert len({rng_key(3, layout, cpu) for layout in layouts}) == 3
+    assert rng_key(3, layouts[0], cpu) == "rank3_of_8_tp2_pp2_cp1_dpr1"  # the key CPU checkpoints always had
+    assert rng_key(3, layouts[0], cuda) != rng_key(3, layouts[0], cpu)  # other generator states
