@@ -1,5 +1,9 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
+from trainer import early_signals
+
+early_signals.hold()  # before the imports: seconds in which a scheduler's warning would be dropped
+
 import os
 import re
 import signal

@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
 from scripts.launch_command import (  # noqa: E402
-    dump_dir_of, free_port, positive_int, ranks_per_node, rendezvous_port, torchrun_args,
+    check_overrides_here, check_stop_signal, dump_dir_of, free_port, positive_int, ranks_per_node, rendezvous_port,
+    torchrun_args,
 )
 
 
@@ -47,10 +48,10 @@ class TrainOnNode:
         import submitit
 
         env = submitit.JobEnvironment()
-        stop_signal = submitit.JobEnvironment.USR_SIG
+        stop_signal = submitit_signal()
         argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{rendezvous_port(env.job_id)}",
                              str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal,
-                             self.max_restarts)
+                             self.max_restarts, hosts_rendezvous=env.node == 0)
         # An ignored signal stays ignored across exec: the agent keeps it so; the workers set a handler.
         ignore = partial(signal.signal, signal.Signals[f"SIG{stop_signal}"], signal.SIG_IGN)
         self.process = subprocess.Popen(argv, cwd=self.cwd, preexec_fn=ignore)
@@ -61,13 +62,24 @@ class TrainOnNode:
 
     def checkpoint(self) -> object:
         """Runs inside submitit's signal handler, on the main thread, which may be inside __call__'s
-        wait: waits for the trainer to save and exit, then returns the resubmission."""
+        wait: waits for the trainer to save and exit, then returns the resubmission; None (no requeue)
+        when torchrun failed: the stop's save failed, and each requeue would train to the next time
+        limit and fail again."""
         import submitit
 
-        if self.process is not None:
-            wait_for_exit(self.process.pid)
+        code = wait_for_exit(self.process.pid) if self.process is not None else None
+        if code not in (0, None):
+            print(f"torchrun exited with {code} after the stop signal: not requeued", file=sys.stderr, flush=True)
+            return None
         return submitit.helpers.DelayedSubmission(
             TrainOnNode(self.overrides, self.nproc_per_node, self.python, self.cwd, self.max_restarts))
+
+
+def submitit_signal() -> str:
+    """The warning signal submitit has Slurm send (USR2 unless its environment changes it)."""
+    import submitit
+
+    return submitit.JobEnvironment.USR_SIG
 
 
 def wait_for_exit(pid: int) -> int | None:
@@ -111,9 +123,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     nproc = ranks_per_node(opts.nproc_per_node, opts.gpus_per_node)
+    check_overrides_here(opts.overrides)
+    if not opts.local:
+        check_stop_signal(opts.overrides, submitit_signal())
     if opts.local:
         argv = torchrun_args(1, nproc, f"localhost:{free_port()}", f"local-{uuid.uuid4().hex[:8]}", opts.overrides,
-                             "dump/local", sys.executable, max_restarts=opts.max_restarts)
+                             "dump/local", sys.executable, max_restarts=opts.max_restarts, hosts_rendezvous=True)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv).returncode)
     executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition)

@@ -1,13 +1,18 @@
 """The one torchrun command line every launcher uses (the Slurm batch script, submitit, TorchX).
 
     python scripts/launch_command.py --nnodes N --nproc-per-node P --rdzv-endpoint HOST:PORT \
-        --rdzv-id ID [--dump-dir DIR] [--max-restarts N] -- [hydra overrides]
+        --rdzv-id ID [--hosts-rendezvous true|false] [--dump-dir DIR] [--max-restarts N] -- [hydra overrides]
 
 prints it shell-quoted. Overrides pass through unchanged; a default `dump_dir` and `stop_signal=USR1`
-(checkpoint and exit on Slurm's warning signal) are added unless the overrides set them.
+(checkpoint and exit on Slurm's warning signal) are added unless the overrides set them; a bad override
+is one `error:` line (exit 2), as train.py would give it, and a `stop_signal` other than USR1 is
+refused (the workers would ignore the scheduler's warning).
 
-The rendezvous port of a job is 29500 + job id % 3000: below Linux's ephemeral ports (32768 up), and
-the same for two jobs on one head node only when their ids differ by a multiple of 3000.
+The rendezvous port of a job is 29500 + job id % 3000 (an array task's id, 123_4, counts as 123 + 4):
+below Linux's ephemeral ports (32768 up), and the same for two jobs on one head node only when their
+ids differ by a multiple of 3000. Each node says whether it hosts the rendezvous (`is_host`): left to
+torch's guess, a head node whose port another job holds would silently join that job's rendezvous
+(and die when it ends); told, it fails at once.
 """
 
 import argparse
@@ -19,10 +24,13 @@ from pathlib import Path
 
 DEFAULT_STOP_SIGNAL = "USR1"
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script, train.py's config checks are imported from the checkout
+    sys.path.insert(0, str(REPO))
 
 
 def rendezvous_port(job_id: str | int) -> int:
-    return 29500 + int(job_id) % 3000
+    """The job's port; `job_id` is Slurm's (1234, or an array task's 1234_5)."""
+    return 29500 + sum(int(part) for part in str(job_id).split("_")) % 3000
 
 
 def ranks_per_node(nproc_per_node: int | None, gpus_per_node: int | None) -> int:
@@ -45,21 +53,46 @@ def override_key(override: str) -> str:
 
 def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
                   dump_dir: str | None = None, python: str = "python", stop_signal: str = DEFAULT_STOP_SIGNAL,
-                  max_restarts: int = 0) -> list[str]:
+                  max_restarts: int = 0, hosts_rendezvous: bool | None = None) -> list[str]:
     """argv of torchrun on one node, running train.py with the overrides; `max_restarts`: torchrun
-    restarts the whole group that often when a worker dies (the run resumes from its newest checkpoint)."""
+    restarts the whole group that often when a worker dies (the run resumes from its newest checkpoint);
+    `hosts_rendezvous`: whether this node hosts the rendezvous store (None: torch guesses from the
+    endpoint's host name)."""
     if nnodes < 1 or nproc_per_node < 1 or max_restarts < 0:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1, "
                          f"max_restarts={max_restarts} at least 0")
-    given = {override_key(o) for o in overrides if "=" in o}
+    given = {override_key(o): o for o in overrides if "=" in o}
     extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
     extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
+    host = [] if hosts_rendezvous is None else [f"--rdzv_conf=is_host={str(hosts_rendezvous).lower()}"]
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
         *([f"--max-restarts={max_restarts}"] if max_restarts else []),
-        "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}", *host,
         str(REPO / "train.py"), *extra, *overrides,
     ]
+
+
+def check_overrides_here(overrides: list[str]) -> None:
+    """Before a job is submitted: a bad override is train.py's one `error:` line (exit 2), not a
+    traceback (after the submission, for a job that would fail)."""
+    from parallel.mesh import LaunchEnv
+    from train import check_overrides
+
+    check_overrides(overrides, LaunchEnv.from_torchrun())
+
+
+def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
+    """A `stop_signal=...` override must name the signal the scheduler sends before the time limit: with
+    another one (or null) the workers ignore the warning, and the job dies at its limit without a
+    checkpoint. One `error:` line otherwise."""
+    given = [o for o in overrides if "=" in o and override_key(o) == "stop_signal"]
+    if not given:
+        return
+    value = given[-1].split("=", 1)[1].strip("'\"").removeprefix("SIG")
+    if value != scheduler_signal:
+        sys.exit(f"error: {given[-1]}: the scheduler sends SIG{scheduler_signal} before the time limit; leave "
+                 f"stop_signal out (the launcher sets stop_signal={scheduler_signal})")
 
 
 def dump_dir_of(overrides: list[str], default: str | None) -> str:
@@ -67,6 +100,7 @@ def dump_dir_of(overrides: list[str], default: str | None) -> str:
     first when none sets dump_dir), so quoting and interpolations (`${oc.env:SCRATCH}/run`) are resolved."""
     from hydra import compose, initialize_config_dir
 
+    check_overrides_here(overrides)
     if default is not None and "dump_dir" not in {override_key(o) for o in overrides if "=" in o}:
         overrides = [f"dump_dir={hydra_quoted(default)}", *overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -94,10 +128,13 @@ def main() -> None:
     parser.add_argument("--dump-dir")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--hosts-rendezvous", choices=("true", "false"), help="default: torch's guess")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
+    hosts = None if opts.hosts_rendezvous is None else opts.hosts_rendezvous == "true"
+    check_stop_signal(opts.overrides, DEFAULT_STOP_SIGNAL)
     argv = torchrun_args(opts.nnodes, opts.nproc_per_node, opts.rdzv_endpoint, opts.rdzv_id, opts.overrides,
-                         opts.dump_dir, opts.python, max_restarts=opts.max_restarts)
+                         opts.dump_dir, opts.python, max_restarts=opts.max_restarts, hosts_rendezvous=hosts)
     print(shlex.join(argv))
 
 

@@ -41,8 +41,11 @@ def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoi
                              "(each node would otherwise host its own rendezvous on localhost)")
         rdzv_endpoint = "localhost:29500"
     run_id = rdzv_id or specs.macros.app_id
+    # One node hosts its own rendezvous: said, so that a port another job holds fails at once instead
+    # of joining that job's rendezvous. Several nodes run one command: torch tells the host by its name.
     python_cmd, *args = torchrun_args(nnodes, nproc_per_node, rdzv_endpoint, run_id, list(overrides),
-                                      dump_dir or f"dump/torchx-{run_id}", python, max_restarts=max_restarts)
+                                      dump_dir or f"dump/torchx-{run_id}", python, max_restarts=max_restarts,
+                                      hosts_rendezvous=True if nnodes == 1 else None)
     role = specs.Role(
         name="trainer", image=image, entrypoint=python_cmd, args=args, num_replicas=nnodes,
         resource=specs.Resource(cpu=max(nproc_per_node, 1), gpu=gpus_per_node, memMB=16 * 1024),

@@ -21,6 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from parallel import comm
+from trainer import early_signals
 
 STOPPED_FILE = "stopped.json"
 
@@ -42,13 +43,16 @@ def take_over_stop_marker(dump_dir: Path, job: str, restart_count: int) -> int |
 
 
 class StopRequest:
-    """This rank's note of the stop signal, from the moment it is created."""
+    """This rank's note of the stop signal, from the moment it is created (or, where a launcher had the
+    signal ignored, from the moment train.py started: trainer.early_signals)."""
 
     def __init__(self, name: str | None):
         """`name`: a signal name without the SIG prefix (USR1), or None for no handler."""
-        self.name, self.received = name, False
-        if name is not None:
-            signal.signal(signal.Signals[f"SIG{name}"], self._note)
+        self.name = name
+        stop_signal = signal.Signals[f"SIG{name}"] if name is not None else None
+        if stop_signal is not None:
+            signal.signal(stop_signal, self._note)
+        self.received = early_signals.release(stop_signal)  # a signal during imports counts too
 
     def _note(self, signum: int, frame: object) -> None:
         self.received = True

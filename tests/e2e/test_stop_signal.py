@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from tests.e2e.launch import losses, metrics, start, train, train_ok
+from tests.e2e.launch import ENV, REPO, command, losses, metrics, start, train, train_ok
 
 RUN = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "steps=40", "stop_signal=USR1")
 
@@ -52,3 +52,29 @@ def test_a_signal_during_start_up_stops_after_the_first_step_and_a_restart_stops
     assert {key: stopped[key] for key in ("step", "signal")} == {"step": 1, "signal": "SIGUSR1"}
     assert [r["step"] for r in metrics(dump)] == [1]
     assert (dump / "checkpoints" / "step_1" / "manifest.json").is_file()
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    status = open(f"/proc/{pid}/status").read()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_a_signal_while_train_py_imports_is_kept_where_the_launcher_ignores_it(tmp_path):
+    """The launchers start workers with the warning signal ignored; train.py notes it from its first line,
+    before seconds of imports and config composition (torch not even loaded yet)."""
+    dump = tmp_path / "run"
+    ignore = lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # noqa: E731
+    job = subprocess.Popen(command(0, dump, *RUN), cwd=REPO, env=ENV, preexec_fn=ignore, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches(job.pid, signal.SIGUSR1):
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.005)
+    torch_loaded = "libtorch" in open(f"/proc/{job.pid}/maps").read()
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=180)
+    assert not torch_loaded  # the signal was sent during the imports
+    assert job.returncode == 0, err[-3000:]
+    assert json.loads((dump / "stopped.json").read_text())["step"] == 1
+    assert [r["step"] for r in metrics(dump)] == [1]

@@ -2,6 +2,7 @@
 Slurm batch script for the same overrides (the script run with stand-ins for srun and scontrol)."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -14,8 +15,16 @@ from tests.e2e.launch import REPO
 OVERRIDES = ["model=tiny", "steps=7", "optim.lr=1e-3", "data.source=/data/my corpus"]
 
 
-def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> list[str]:
-    """What train.sbatch hands to srun, on a fake 2-node job 1234 (scontrol's other calls are logged)."""
+def _run_sbatch(bin_dir, overrides: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "8", **(env or {})}
+    return subprocess.run(["bash", "scripts/slurm/train.sbatch", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True)
+
+
+def _fake_slurm(tmp_path) -> Path:
+    """Stand-ins for scontrol (its calls other than `show hostnames` logged to scontrol_calls) and srun
+    (its command written to srun_command)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then printf "node7\\nnode8\\n"; '
@@ -23,15 +32,54 @@ def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> 
     (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC_PER_NODE": "8", **(env or {})}
-    done = subprocess.run(["bash", "scripts/slurm/train.sbatch", *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True)
+    return bin_dir
+
+
+def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> list[str]:
+    """What train.sbatch has srun run on the first node of a fake 2-node job 1234."""
+    done = _run_sbatch(_fake_slurm(tmp_path), overrides, env)
     assert done.returncode == 0, done.stderr
     script = (tmp_path / "srun_command").read_text()
-    prefix = "trap '' USR1; exec "
-    assert script.startswith(prefix), script
-    return shlex.split(script[len(prefix):])
+    per_node = re.fullmatch(r"""trap '' USR1; if \[ "\$SLURM_NODEID" = 0 \]; then exec (.*); else exec (.*); fi""", script)
+    assert per_node is not None, script
+    head, other = (shlex.split(command) for command in per_node.groups())
+    # Only the first node hosts the rendezvous, and says so (a port another job holds then fails at once).
+    assert head == [other[0], *[a.replace("is_host=false", "is_host=true") for a in other[1:]]]
+    assert "--rdzv_conf=is_host=true" in head
+    return head
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("optim.lrr=1", ("error: optim.lrr is not a known config key",)),
+    ("stop_signal=USR2", ("error: stop_signal=USR2: the scheduler sends SIGUSR1 before the time limit",)),
+    ("stop_signal=null", ("error: stop_signal=null: the scheduler sends SIGUSR1",)),
+])
+def test_the_batch_script_refuses_a_bad_override_in_one_line_before_srun(tmp_path, override, fragments):
+    done = _run_sbatch(_fake_slurm(tmp_path), ["model=tiny", override])
+    assert done.returncode != 0 and not (tmp_path / "srun_command").exists()
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [done.stderr.strip()], done.stderr
+    assert all(fragment in done.stderr for fragment in fragments), done.stderr
+
+
+def test_launch_py_refuses_a_bad_override_in_one_line():
+    done = subprocess.run([sys.executable, "scripts/launch.py", "--local", "model=tinyy"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert "model/tinyy" in done.stderr
+
+
+def test_array_task_ids_get_ports_and_a_failed_stop_is_not_requeued(tmp_path):
+    """submitit's array and batch jobs have ids like 1234_5; a torchrun that failed after the stop
+    signal (its save failed) is not requeued: each requeue would train to the next limit and fail."""
+    from scripts.launch import TrainOnNode
+    from scripts.launch_command import rendezvous_port
+
+    assert rendezvous_port("1234") == rendezvous_port(1234) == 29500 + 1234
+    assert rendezvous_port("1234_5") == 29500 + 1239 and rendezvous_port("2999_1") == 29500
+    for code, requeued in ((2, False), (0, True)):
+        node = TrainOnNode(["model=tiny"], 1, sys.executable, cwd=str(tmp_path))
+        node.process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        assert (node.checkpoint() is not None) == requeued
 
 
 def test_torchx_component_runs_the_sbatch_command(tmp_path):
@@ -46,13 +94,15 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
     app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:30734", rdzv_id="1234",
                 python=command[0], dump_dir="dump/slurm-1234")
     (role,) = app.roles
-    assert [role.entrypoint, *role.args] == command and role.num_replicas == 2
+    # One command for every node: torch tells the rendezvous host by its name.
+    assert [role.entrypoint, *role.args] == [a for a in command if a != "--rdzv_conf=is_host=true"]
+    assert role.num_replicas == 2
 
     restarting = _sbatch_command(tmp_path / "restarts", OVERRIDES, env={"MAX_RESTARTS": "3"})
     assert restarting == [*command[:5], "--max-restarts=3", *command[5:]]  # a torchrun flag, before train.py
     app = train(*OVERRIDES, nnodes=2, nproc_per_node=8, rdzv_endpoint="node7:30734", rdzv_id="1234",
                 python=command[0], dump_dir="dump/slurm-1234", max_restarts=3)
-    assert [app.roles[0].entrypoint, *app.roles[0].args] == restarting
+    assert [app.roles[0].entrypoint, *app.roles[0].args] == [a for a in restarting if "is_host" not in a]
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv_endpoint HOST:PORT"):
         train(*OVERRIDES, nnodes=2)
 
