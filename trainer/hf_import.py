@@ -45,8 +45,9 @@ def read_hf_config(folder: Path) -> dict:
         raise ConfigError(f"{KEY}={folder}: no readable config.json ({e.__class__.__name__}: {e})")
     if not isinstance(config, dict):
         raise ConfigError(f"{KEY}={folder}: config.json holds a JSON {type(config).__name__}, not an object")
-    if not isinstance(config.get("rope_parameters") or {}, dict):
-        raise ConfigError(f"{KEY}={folder}: config.json's rope_parameters={config['rope_parameters']!r} is not an object")
+    for field in _ROPE_FIELDS:
+        if not isinstance(config.get(field) or {}, dict):
+            raise ConfigError(f"{KEY}={folder}: config.json's {field}={config[field]!r} is not an object")
     return config
 
 
@@ -66,6 +67,8 @@ _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": 
 # What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
 # key/value heads defaults to the number of heads).
 _LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+# Where RoPE settings may be: transformers 4 reads rope_scaling, 5 reads `rope_scaling or rope_parameters`.
+_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
 def check_hf_folder(folder: Path, args: ModelArgs) -> None:
@@ -100,21 +103,16 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
         if config.get(field, implied[0]) not in implied:
             raise ConfigError(f"{KEY}={folder}: config.json has {field}={config[field]!r}; this model supports "
                               f"only {' or '.join(map(repr, implied))}")
-    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta (and any scaling) here
-    for field, scaling in (("rope_scaling", config.get("rope_scaling") or {}), ("rope_parameters", rope)):
-        kind = _rope_kind(scaling)
+    for field in _ROPE_FIELDS:
+        kind = _rope_kind(config.get(field) or {})
         if kind != "default":
             raise ConfigError(f"{KEY}={folder}: config.json's {field} asks for {kind!r} RoPE scaling; this model "
                               "supports only the default RoPE")
-    if None not in (rope.get("rope_theta"), config.get("rope_theta")) and rope["rope_theta"] != config["rope_theta"]:
-        raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={config['rope_theta']!r} and "
-                          f"rope_parameters.rope_theta={rope['rope_theta']!r} (transformers 4 reads the first, 5 the "
-                          "second): make them agree")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     sizes_given = all(type(n) is int and n > 0 for n in (hidden, heads))  # else named below as they differ
     config = {"head_dim": hidden // heads if sizes_given else None, "num_key_value_heads": heads,
-              **_LLAMA_DEFAULTS, "rope_theta": rope.get("rope_theta", _LLAMA_DEFAULTS["rope_theta"])} | {
-        k: v for k, v in config.items() if v is not None}
+              **_LLAMA_DEFAULTS} | {k: v for k, v in config.items() if v is not None} | {
+        "rope_theta": _rope_theta(config, folder)}
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
               for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
     if differ:
@@ -122,11 +120,32 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
                           f"{'; '.join(differ)}")
 
 
-def _rope_kind(scaling: object) -> str:
+def _rope_theta(config: dict, folder: Path) -> object:
+    """config.json's rope_theta as transformers 5 resolves it: that of its RoPE object (rope_scaling, else
+    rope_parameters), else the top level's (all transformers 4 reads), else 1e4. Spellings that disagree
+    are refused: one version or the other would compute other logits than the import trains."""
+    top = config.get("rope_theta")
+    nested = {field: config[field] for field in _ROPE_FIELDS if config.get(field)}
+    for field, rope in nested.items():
+        if None not in (rope.get("rope_theta"), top) and rope["rope_theta"] != top:
+            raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={top!r} and {field}.rope_theta="
+                              f"{rope['rope_theta']!r} (transformers 4 reads the first, 5 the second): make them agree")
+    default = _LLAMA_DEFAULTS["rope_theta"]
+    thetas = {field: _first_given(rope.get("rope_theta"), top, default) for field, rope in nested.items()}
+    if len(thetas) == 2 and thetas["rope_scaling"] != thetas["rope_parameters"]:  # 5 never reads the second
+        raise ConfigError(f"{KEY}={folder}: config.json's rope_scaling gives rope_theta={thetas['rope_scaling']!r}, "
+                          f"its rope_parameters {thetas['rope_parameters']!r} (transformers 5 reads only "
+                          "rope_scaling): make them agree or drop one")
+    return next(iter(thetas.values()), _first_given(top, default))
+
+
+def _first_given(*values: object) -> object:
+    return next(v for v in values if v is not None)
+
+
+def _rope_kind(scaling: dict) -> str:
     """The RoPE variant a rope_scaling / rope_parameters object asks for, under either of the names
     transformers reads ("rope_type", or the older "type")."""
-    if not isinstance(scaling, dict):
-        return repr(scaling)
     return scaling.get("rope_type") or scaling.get("type") or "default"
 
 

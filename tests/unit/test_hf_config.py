@@ -1,0 +1,60 @@
+"""What checkpoint.init_from_hf reads from a Hugging Face folder's config.json: rope_theta under each
+spelling transformers reads, as the installed transformers computes it, or one error line."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from model.args import ModelArgs
+from model.hf import hf_config
+from parallel.errors import ConfigError
+from trainer.hf_import import check_architecture
+
+THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
+
+
+def llama_config(**rope) -> dict:
+    """config.json of ModelArgs' architecture with rope_theta given only as `rope` spells it."""
+    config = {k: v for k, v in hf_config(ModelArgs(), "float32", 1, 2).items() if k != "rope_theta"}
+    return config | rope
+
+
+def transformers_theta(config: dict, folder: Path) -> float:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return transformers.AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "default", "rope_theta": THETA}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": THETA}},
+    {"rope_theta": THETA, "rope_scaling": {"rope_type": "default"}},
+    {"rope_theta": THETA, "rope_scaling": {"type": "default", "rope_theta": THETA},
+     "rope_parameters": {"type": "default", "rope_theta": THETA}},
+], ids=["rope_scaling", "rope_parameters", "top_level", "all_agree"])
+def test_rope_theta_imports_as_transformers_reads_it(tmp_path: Path, rope: dict) -> None:
+    config = llama_config(**rope)
+    assert transformers_theta(config, tmp_path / "hf") == THETA
+    check_architecture(config, dataclasses.replace(ModelArgs(), rope_theta=THETA), tmp_path)
+    with pytest.raises(ConfigError, match=f"rope_theta={THETA!r} vs model.rope_theta=10000.0"):
+        check_architecture(config, ModelArgs(), tmp_path)
+
+
+@pytest.mark.parametrize("rope, fragment", [
+    # transformers 5 takes rope_scaling whole and never sees rope_parameters' theta: it computes 1e4.
+    ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": THETA}},
+     "rope_scaling gives rope_theta=10000.0, its rope_parameters 500000.0 (transformers 5 reads only rope_scaling)"),
+    # transformers 4 reads the top level's, 5 the nested one.
+    ({"rope_theta": 10000.0, "rope_scaling": {"rope_type": "default", "rope_theta": THETA}},
+     "rope_theta=10000.0 and rope_scaling.rope_theta=500000.0"),
+    ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": THETA}},
+     "rope_theta=10000.0 and rope_parameters.rope_theta=500000.0"),
+], ids=["scaling_vs_parameters", "top_vs_scaling", "top_vs_parameters"])
+def test_rope_theta_spellings_that_disagree_are_one_line(tmp_path: Path, rope: dict, fragment: str) -> None:
+    for theta in (10000.0, THETA):  # whichever the model has: some transformers version computes the other
+        with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as e:
+            check_architecture(llama_config(**rope), dataclasses.replace(ModelArgs(), rope_theta=theta), tmp_path)
+        assert str(e.value).startswith(f"checkpoint.init_from_hf={tmp_path}: ") and "\n" not in str(e.value)
