@@ -42,7 +42,7 @@ from trainer.parallelize import (
 )
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
-from trainer.resume import refuse_a_changed_run_early, resume
+from trainer.resume import refuse_a_changed_run_early, resume, resumes
 from trainer.state import checkpoint_state
 from trainer.validate import layout_noops
 from trainer.tensorboard import TensorBoardLog
@@ -208,7 +208,7 @@ def _build_data(
     cfg: TrainConfig, mesh: ParallelMesh, rank: int, log: Callable[[str], None]
 ) -> tuple[Tokenizer, BatchLoader, BatchLoader | None]:
     """The tokenizer, the training batches and (with eval.freq) the held-out evaluation batches."""
-    tokenizer_path = run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
+    tokenizer_path = run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resuming=resumes(cfg))
     if tokenizer_path != cfg.data.tokenizer:
         log(f"data: tokenizer {tokenizer_path} (of checkpoint.init_from_hf; data.tokenizer is null)")
     tokenizer, tokens = prepare_dataset(

@@ -18,6 +18,7 @@ from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key, setting
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder, run_tokenizer
+from trainer.resume import resumes
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -63,7 +64,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
         check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
-        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
+        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resuming=resumes(cfg))
     return dims
 
 

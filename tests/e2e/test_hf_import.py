@@ -2,6 +2,7 @@
 its weights (each rank reads only its boxes) and the tokenizer.model it ships, gives transformers'
 logits, and exports back bitwise."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -16,10 +17,12 @@ from safetensors.torch import load_file, save_file
 from model.transformer import Transformer
 from parallel.errors import ConfigError
 from tests.e2e.launch import DATA_CACHE, REPO, train, train_ok
+from trainer.checkpoint import MANIFEST
 from trainer.config import TrainConfig, from_dict
 from trainer.data import prepare_dataset
-from trainer.hf_import import check_hf_folder, run_tokenizer, tensor_files
+from trainer.hf_import import check_hf_folder, tensor_files
 from trainer.state import load_full_weights
+from trainer.validate import validate
 
 # An LR far below one ulp of any weight: the step-1 checkpoint holds the imported weights unchanged.
 FROZEN = ("model=tiny", "seq_len=64", "steps=1", "checkpoint.freq=1", "optim.lr=1e-30", "optim.warmup_steps=0")
@@ -154,10 +157,23 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
     (tmp_path / "tied" / "config.json").write_text(json.dumps(
         {k: v for k, v in config.items() if k not in ("rope_theta", "rope_parameters")}))
     check_hf_folder(tmp_path / "tied", args)
-    # No tokenizer.model in the folder: the weights' ids are unknown, so data.tokenizer must name them.
-    with pytest.raises(ConfigError, match="tied has no tokenizer.model: set data.tokenizer to the sentencepiece"):
-        run_tokenizer(None, str(tmp_path / "tied"))
-    assert run_tokenizer("/tok/spm.model", str(tmp_path / "tied")) == "/tok/spm.model"
+
+
+def test_validate_refuses_another_tokenizer_when_starting_from_the_folder_only(tmp_path):
+    """Before any process group: the refusal (tests/unit/test_hf_tokenizer.py) applies where the weights
+    come from the folder, not to a resume, whose checkpoint holds weights trained with data.tokenizer."""
+    tiny_llama(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"the folder's sentencepiece model")
+    (tmp_path / "other.model").write_bytes(b"another sentencepiece model")
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, dump_dir=str(tmp_path / "run"),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, init_from_hf=str(tmp_path / "hf")),
+                              data=dataclasses.replace(cfg.data, tokenizer=str(tmp_path / "other.model")))
+    with pytest.raises(ConfigError, match="set data.tokenizer=null to use the folder's"):
+        validate(cfg, world_size=1)
+    (tmp_path / "run" / "checkpoints" / "step_1").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_1" / MANIFEST).write_text("{}")  # complete: resumed, not imported
+    validate(cfg, world_size=1)
 
 
 def test_a_single_file_wins_over_stale_shards_as_in_transformers(tmp_path):

@@ -1,0 +1,46 @@
+"""The tokenizer of a run started from checkpoint.init_from_hf: the folder's tokenizer.model, the same
+model named in data.tokenizer, or one error line; a resume keeps the tokenizer it trained with."""
+
+from pathlib import Path
+
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.hf_import import run_tokenizer
+
+
+def folder_with_tokenizer(tmp_path: Path, model: bytes) -> Path:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(model)
+    return folder
+
+
+def test_data_tokenizer_other_than_the_folders_is_refused_at_start(tmp_path: Path) -> None:
+    folder = folder_with_tokenizer(tmp_path, b"the folder's sentencepiece model")
+    other = tmp_path / "other.model"
+    other.write_bytes(b"another sentencepiece model")
+    with pytest.raises(ConfigError) as e:
+        run_tokenizer(str(other), str(folder), resuming=False)
+    line = str(e.value)
+    assert f"data.tokenizer={other} " in line and str(folder / "tokenizer.model") in line, line
+    assert "set data.tokenizer=null to use the folder's" in line and "\n" not in line
+    # The weights of a resume come from its checkpoint, trained with data.tokenizer all along.
+    assert run_tokenizer(str(other), str(folder), resuming=True) == str(other)
+
+
+def test_the_folders_tokenizer_named_again_or_left_out_is_used(tmp_path: Path) -> None:
+    folder = folder_with_tokenizer(tmp_path, b"the folder's sentencepiece model")
+    copy = tmp_path / "copy.model"
+    copy.write_bytes(b"the folder's sentencepiece model")
+    assert run_tokenizer(str(copy), str(folder), resuming=False) == str(copy)
+    for resuming in (False, True):
+        assert run_tokenizer(None, str(folder), resuming) == str(folder / "tokenizer.model")
+    assert run_tokenizer(None, None, resuming=False) is None  # no folder: a tokenizer is trained on the data
+
+
+def test_a_folder_without_tokenizer_needs_data_tokenizer(tmp_path: Path) -> None:
+    """The weights' ids are unknown: data.tokenizer must name them, never a newly trained tokenizer."""
+    with pytest.raises(ConfigError, match="hf has no tokenizer.model: set data.tokenizer to the sentencepiece"):
+        run_tokenizer(None, str(tmp_path / "hf"), resuming=False)
+    assert run_tokenizer("/tok/spm.model", str(tmp_path / "hf"), resuming=False) == "/tok/spm.model"
