@@ -68,13 +68,14 @@ def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     return out
 
 
-def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int) -> dict:
-    """LlamaConfig fields; rope_theta and torch_dtype are the spellings both transformers 4 and 5 read."""
+def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_positions: int | None = None) -> dict:
+    """LlamaConfig fields; rope_theta and torch_dtype are the spellings both transformers 4 and 5 read.
+    max_position_embeddings, the context inference servers allow, is the training seq_len unless given."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **{field: getattr(args, attr) for field, attr in CONFIG_FIELDS.items()},
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": args.max_seq_len if max_positions is None else max_positions,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "attention_bias": False,

@@ -7,6 +7,7 @@ its single-process mode. Weights map by name (model/hf.py): fused q/k/v and gate
 parts, nothing permuted or reshaped.
 
     python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] [--no-tokenizer]
+                                [--max-position-embeddings N]
 """
 
 import sys
@@ -44,9 +45,13 @@ def read_train_config(ckpt: Path) -> TrainConfig:
     return from_dict(raw)
 
 
-def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = True) -> None:
+def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = True,
+           max_positions: int | None = None) -> None:
     """Verify every file's sha256 first: DCP itself would load flipped bits without a word. The tokenizer
-    is exported only where transformers gives training's ids (else an error, or with_tokenizer=False)."""
+    is exported only where transformers gives training's ids (else an error, or with_tokenizer=False).
+    config.json declares max_positions (default: the training seq_len) as the model's context."""
+    if max_positions is not None and max_positions < 1:
+        raise ConfigError(f"--max-position-embeddings={max_positions} must be a positive number of positions")
     if not (ckpt / MANIFEST).is_file():
         newest = latest_checkpoint(ckpt / CHECKPOINTS_DIR)
         hint = f"; its newest complete checkpoint is {newest}" if newest else ""
@@ -71,7 +76,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
-    config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id)
+    config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id, max_positions)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
@@ -123,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="leave the tokenizer files out (for a tokenizer transformers would read otherwise)")
+    parser.add_argument("--max-position-embeddings", type=int, metavar="N",
+                        help="the context config.json declares (default: the training seq_len); e.g. that of "
+                             "the checkpoint.init_from_hf folder, for a run trained at a shorter seq_len")
     opts = parser.parse_args(argv)
     try:
-        export(opts.checkpoint, opts.out, DTYPES[opts.dtype], with_tokenizer=not opts.no_tokenizer)
+        export(opts.checkpoint, opts.out, DTYPES[opts.dtype], with_tokenizer=not opts.no_tokenizer,
+               max_positions=opts.max_position_embeddings)
     except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

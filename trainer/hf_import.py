@@ -8,6 +8,7 @@ layout imports without a rank ever holding a whole model.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,7 +76,7 @@ _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": 
 
 # What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
 # key/value heads defaults to the number of heads).
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
 # Where RoPE settings may be: transformers 4 reads rope_scaling, 5 reads `rope_scaling or rope_parameters`.
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
@@ -216,10 +217,10 @@ def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
             _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
 
 
-def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> bool:
-    """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh). Returns
-    whether the head came from the embedding (a tied model that ships no lm_head, as transformers
-    reads it): ours starts the head as a copy of the embedding and trains the two apart."""
+def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callable[[str], None]) -> None:
+    """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh), and log it. A
+    tied model that ships no lm_head (transformers then reads the embedding as the head) starts ours as a
+    copy of the embedding, which trains apart from it from here."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -228,4 +229,24 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs) -> bool:
         for root in roots:
             for unit in root.units:
                 _import_unit(reader, unit)
-    return tied and TIED_HEAD[0] not in reader.files
+    head_from_embedding = tied and TIED_HEAD[0] not in reader.files
+    log(f"initialized the weights from {folder}" + (
+        " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
+        "separately from here; an export writes both, untied)" if head_from_embedding else ""))
+    note = context_note(config, args.max_seq_len, folder)
+    if note:
+        log(note)
+
+
+def context_note(config: dict, seq_len: int, folder: Path) -> str | None:
+    """A line where seq_len is not the context the folder was trained for (its max_position_embeddings):
+    past it, positions are trained that pretraining never saw, without RoPE scaling; short of it, an
+    export declares only seq_len unless told the folder's context."""
+    context = config.get("max_position_embeddings", _LLAMA_DEFAULTS["max_position_embeddings"])
+    if type(context) is not int or context == seq_len:
+        return None
+    if seq_len > context:
+        return (f"{KEY}={folder}: seq_len={seq_len} is beyond its max_position_embeddings={context}: training "
+                "positions its pretraining never saw, without RoPE scaling")
+    return (f"{KEY}={folder}: seq_len={seq_len} is within its max_position_embeddings={context}; an export "
+            f"declares {seq_len} unless given --max-position-embeddings {context}")

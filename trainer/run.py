@@ -167,10 +167,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     start_step = resume(cfg, partial(state, step=0), rng, loader.sampler, fingerprint, launch.rank, launch.world_size,
                         launch.run_id, log)
     if cfg.checkpoint.init_from_hf and start_step == 0:
-        tied = import_hf(Path(cfg.checkpoint.init_from_hf), trainer.roots, cfg.model_args())
-        log(f"initialized the weights from {cfg.checkpoint.init_from_hf}" + (
-            " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
-            "separately from here; an export writes both, untied)" if tied else ""))
+        import_hf(Path(cfg.checkpoint.init_from_hf), trainer.roots, cfg.model_args(), log)
     elif cfg.checkpoint.init_from_hf:
         log(f"checkpoint.init_from_hf={cfg.checkpoint.init_from_hf}: not read, the weights come from the "
             f"resumed step {start_step} checkpoint")

@@ -130,3 +130,21 @@ def test_a_tokenizer_transformers_reads_otherwise_is_refused_unless_left_out(tmp
     assert not (tmp_path / "refused").exists()
     assert export_hf.main([str(ckpt), str(tmp_path / "weights"), "--no-tokenizer"]) == 0
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
+def test_the_declared_context_is_seq_len_unless_given(tmp_path: Path, checkpoint_of, capsys) -> None:
+    """A model imported with a longer context and trained at a shorter seq_len keeps that context for
+    inference servers (which cap prompts at max_position_embeddings) only where the export is told it."""
+    import scripts.export_hf as export_hf
+
+    ckpt = checkpoint_of("single")
+    declared = {}
+    for name, flag in (("default", []), ("given", ["--max-position-embeddings", "8192"])):
+        assert export_hf.main([str(ckpt), str(tmp_path / name), "--no-tokenizer", *flag]) == 0
+        declared[name] = transformers.AutoConfig.from_pretrained(tmp_path / name).max_position_embeddings
+    assert declared == {"default": export_hf.read_train_config(ckpt).seq_len, "given": 8192}
+    capsys.readouterr()
+    assert export_hf.main([str(ckpt), str(tmp_path / "zero"), "--max-position-embeddings", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --max-position-embeddings=0 must be a positive number of positions"
+    assert not (tmp_path / "zero").exists()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from model.transformer import Transformer
 from parallel.errors import ConfigError
-from tests.e2e.launch import DATA_CACHE, REPO, train, train_ok
+from tests.e2e.launch import DATA_CACHE, REPO, train
 from trainer.checkpoint import MANIFEST
 from trainer.config import TrainConfig, from_dict
 from trainer.data import prepare_dataset
@@ -53,14 +53,20 @@ def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
 def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tmp_path):
     hf_dir = tmp_path / "hf"
-    hf = tiny_llama(hf_dir, shard_size="100KB")  # several shards and an index, as published models ship
+    # Several shards and an index, as published models ship; pretrained for a longer context than seq_len.
+    hf = tiny_llama(hf_dir, shard_size="100KB", max_position_embeddings=128)
     assert (hf_dir / "model.safetensors.index.json").is_file()
     # A sentencepiece model of the vocabulary, as an exported folder ships (the default data's).
     shipped, _ = prepare_dataset(None, None, 512, DATA_CACHE, True, print)
     shutil.copyfile(shipped.model_path, hf_dir / "tokenizer.model")
     dump = tmp_path / "run"
-    train_ok(4, dump, *FROZEN, "model_parallel_size=2", "model.sequence_parallel=true", "batch_size=2",
-             f"checkpoint.init_from_hf={hf_dir}")
+    started = train(4, dump, *FROZEN, "model_parallel_size=2", "model.sequence_parallel=true", "batch_size=2",
+                    f"checkpoint.init_from_hf={hf_dir}")
+    assert started.returncode == 0, started.stderr[-3000:]
+    log = started.stdout + started.stderr
+    assert f"initialized the weights from {hf_dir}\n" in log
+    assert "seq_len=64 is within its max_position_embeddings=128; an export declares 64 unless given " \
+        "--max-position-embeddings 128" in log
     ckpt = dump / "checkpoints" / "step_1"
 
     cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))

@@ -1,5 +1,6 @@
 """What checkpoint.init_from_hf reads from a Hugging Face folder's config.json: rope_theta under each
-spelling transformers reads, as the installed transformers computes it, or one error line."""
+spelling transformers reads, as the installed transformers computes it, or one error line; and the
+context it was trained for (max_position_embeddings), against seq_len."""
 
 import dataclasses
 import json
@@ -11,7 +12,7 @@ import transformers
 from model.args import ModelArgs
 from model.hf import hf_config
 from parallel.errors import ConfigError
-from trainer.hf_import import check_architecture
+from trainer.hf_import import check_architecture, context_note
 
 THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
 
@@ -58,3 +59,17 @@ def test_rope_theta_spellings_that_disagree_are_one_line(tmp_path: Path, rope: d
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as e:
             check_architecture(llama_config(**rope), dataclasses.replace(ModelArgs(), rope_theta=theta), tmp_path)
         assert str(e.value).startswith(f"checkpoint.init_from_hf={tmp_path}: ") and "\n" not in str(e.value)
+
+
+def test_a_seq_len_other_than_the_folders_context_is_one_log_line(tmp_path: Path) -> None:
+    config = llama_config() | {"max_position_embeddings": 8192}
+    assert context_note(config, 8192, tmp_path) is None
+    longer = context_note(config, 16384, tmp_path)
+    assert longer.startswith(f"checkpoint.init_from_hf={tmp_path}: seq_len=16384 is beyond its "
+                             "max_position_embeddings=8192") and "without RoPE scaling" in longer
+    shorter = context_note(config, 2048, tmp_path)
+    assert "seq_len=2048 is within its max_position_embeddings=8192" in shorter
+    assert shorter.endswith("--max-position-embeddings 8192")  # what the export needs to declare it
+    # Left out of config.json: transformers' default.
+    default = transformers.LlamaConfig().max_position_embeddings
+    assert f"max_position_embeddings={default}" in context_note({}, 2 * default, tmp_path)
