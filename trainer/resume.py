@@ -37,7 +37,8 @@ def newest_checkpoint(root: Path) -> Path | None:
     shared folder lags (a network filesystem's cache, just after a restart) would load another step,
     and the job would train on a mix of two states."""
     path = latest_checkpoint(root)
-    steps = comm.all_gather_object(checkpoint_step(path) if path is not None else 0, comm.world())
+    newest = checkpoint_step(path) if path is not None else 0
+    steps = comm.all_gather_object(newest, comm.world())
     differing = [rank for rank, step in enumerate(steps) if step != steps[0]]
     if differing:
         rank = differing[0]
