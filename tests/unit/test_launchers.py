@@ -22,22 +22,25 @@ def _run_sbatch(bin_dir, overrides: list[str], env: dict | None = None) -> subpr
                           text=True)
 
 
-def _fake_slurm(tmp_path) -> Path:
+def _fake_slurm(tmp_path, stops_in: Path | None = None) -> Path:
     """Stand-ins for scontrol (its calls other than `show hostnames` logged to scontrol_calls) and srun
-    (its command written to srun_command)."""
+    (its command written to srun_command; with `stops_in`, it writes stopped.json there as a trainer
+    stopped by its signal would)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then printf "node7\\nnode8\\n"; '
                                       f'else echo "$@" >> {tmp_path}/scontrol_calls; fi\n')
-    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n')
+    stop = f"echo '{{\"step\": 70}}' > '{stops_in}/stopped.json'\n" if stops_in is not None else ""
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n{stop}')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return bin_dir
 
 
-def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None) -> list[str]:
+def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None, stops_in: Path | None = None
+                    ) -> list[str]:
     """What train.sbatch has srun run on the first node of a fake 2-node job 1234."""
-    done = _run_sbatch(_fake_slurm(tmp_path), overrides, env)
+    done = _run_sbatch(_fake_slurm(tmp_path, stops_in), overrides, env)
     assert done.returncode == 0, done.stderr
     script = (tmp_path / "srun_command").read_text()
     per_node = re.fullmatch(r"""trap '' USR1; if \[ "\$SLURM_NODEID" = 0 \]; then exec (.*); else exec (.*); fi""", script)
@@ -143,12 +146,21 @@ def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_pa
         ("dump_dir=${oc.env:RUNS_ROOT}/run2", tmp_path / "run2"),
     ]):
         folder.mkdir()
-        (folder / "stopped.json").write_text('{"step": 70, "signal": "SIGUSR1"}')
         case = tmp_path / f"case{i}"
         case.mkdir()
-        command = _sbatch_command(case, [override, "model=tiny"], env={"RUNS_ROOT": str(tmp_path)})
+        command = _sbatch_command(case, [override, "model=tiny"], env={"RUNS_ROOT": str(tmp_path)}, stops_in=folder)
         assert override in command
         assert (case / "scontrol_calls").read_text().split() == ["requeue", "1234"], override
+
+
+def test_a_marker_left_by_the_previous_run_does_not_requeue_the_job(tmp_path):
+    """The job stopped and was requeued; this run failed before the trainer took its dump_dir over (and
+    with it removed the marker): requeueing on the old marker would loop."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "stopped.json").write_text('{"step": 70, "signal": "SIGUSR1"}')
+    _sbatch_command(tmp_path, [f"dump_dir={folder}", "model=tiny"])
+    assert not (tmp_path / "scontrol_calls").exists() and not (folder / "stopped.json").exists()
 
 
 def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path, monkeypatch):
