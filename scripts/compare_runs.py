@@ -180,7 +180,7 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
     if both_non_finite == compared:
         raise UnreadableMetrics(f"all {compared} compared values are non-finite in both runs: nothing trained to compare")
     if worst[0] == 0.0:
-        verdict = f"bitwise equal over {len(steps)} steps"
+        verdict = f"bitwise equal over {len(steps)} steps{_unlogged(steps)}"
         if both_non_finite:
             verdict += f" ({both_non_finite} of {compared} values non-finite in both runs)"
     elif math.isinf(worst[0]):
@@ -190,6 +190,16 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
     if only:  # a difference, whatever the common steps show: said first
         verdict = f"steps logged by one run only: {only[:10]}; the common steps: {verdict}"
     return rows, verdict, agree
+
+
+def _unlogged(steps: list[int]) -> str:
+    """What a verdict over `steps` (logged by both runs) did not see: the steps up to the last one that
+    neither logged (log_freq), where a difference can hide (a one-step difference need not reach the
+    next logged loss)."""
+    unseen = steps[-1] - len(steps)
+    if unseen == 0:
+        return ""
+    return f" (of {steps[-1]}: {unseen} steps not logged by both runs; log_all_steps=true logs each)"
 
 
 UNIT_FIELDS = ("unit_param_norms", "unit_grad_norms")  # metrics.unit_norms=true

@@ -36,6 +36,15 @@ def test_one_ulp_in_one_step_is_caught_and_equality_reported(tmp_path, capsys):
     assert "max rel diff" in out and "at step 3 (loss)" in out and " 1 ulp" in out
     assert (tmp_path / "diff.png").read_bytes()[:8] == PNG
     assert compare_runs.main([str(a), str(b), "--rtol", "1e-12"]) == 0  # within tolerance
+    capsys.readouterr()
+
+    # Logged every other step (log_freq): the verdict says what it did not see.
+    for run in (a, b):
+        records = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text("".join(line + "\n" for line in records[1::2]))
+    assert compare_runs.main([str(a), str(b), "--brief"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "bitwise equal over 2 steps (of 4: 2 steps not logged by both runs; log_all_steps=true logs each)")
 
 
 def test_metrics_files_may_stand_for_their_runs_and_an_eval_column_needs_an_eval(tmp_path, capsys):
