@@ -68,6 +68,7 @@ class DumpDirLock:
                       "attempt": attempt, "since": time.time()}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.lost: str | None = None  # set by the heartbeat: how the lock stopped being this job's
 
     def acquire(self) -> str | None:
         """Take the lock; returns None, or a description of the live job that holds it."""
@@ -137,11 +138,32 @@ class DumpDirLock:
             return False
 
     def _beat(self) -> None:
+        """Touch the lock while it is this job's; note when it stops being so (`lost`)."""
         while not self._stop.wait(HEARTBEAT_S):
+            try:
+                holder = json.loads(self.path.read_text())
+            except FileNotFoundError:
+                holder = None
+            except ValueError:
+                continue  # a newcomer is writing its own: judged at the next beat
+            if holder != self.owner:
+                self.lost = "removed" if holder is None else f"taken over by job {holder.get('job')} " \
+                    f"(host {holder.get('host')}, pid {holder.get('pid')})"
+                return
             try:
                 os.utime(self.path)
             except FileNotFoundError:
+                self.lost = "removed"
                 return
+
+    def check_owned(self) -> None:
+        """Raise if the lock stopped being this job's: its heartbeat was silent past STALE_AFTER_S (the
+        job suspended, its node's filesystem stalled) and another job took the dump_dir over, or the
+        lock file was removed. Writing on would mix two jobs' outputs."""
+        if self.lost is not None:
+            raise ConfigError(f"dump_dir={self.path.parent}: its lock was {self.lost} while this job ran; stopping "
+                              f"before writing into it again (a lock silent for {STALE_AFTER_S:.0f} s counts as a "
+                              f"dead job's)")
 
     def release(self) -> None:
         if self._heartbeat is None:

@@ -25,7 +25,7 @@ from trainer.checkpoint import ExtraFiles, prune_checkpoints, save_checkpoint
 from trainer.config import CONFIG_FILE, TrainConfig, flat_values
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
-from trainer.dump_dir import CHECKPOINTS_DIR, output_folders, own_dump_dir
+from trainer.dump_dir import CHECKPOINTS_DIR, DumpDirLock, output_folders, own_dump_dir
 from trainer.fingerprint import (
     FINGERPRINT_FILE, config_fingerprint, data_fingerprint, run_fingerprint, write_fingerprint,
 )
@@ -143,14 +143,15 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
             log0(launch.rank, f"an earlier attempt of this job stopped after step {stopped} on its stop signal and "
                  f"torchrun restarted it when a worker failed: stopping again ({STOPPED_FILE} kept for the requeue)")
             return
-        _train_in(cfg, launch, mesh, device, dump_dir, stop_request)
+        _train_in(cfg, launch, mesh, device, dump_dir, stop_request, lock)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device, dump_dir: Path,
-              stop_request: StopRequest) -> None:
+              stop_request: StopRequest, lock: DumpDirLock | None) -> None:
+    """`lock`: rank 0's hold on the dump_dir (None elsewhere)."""
     log = partial(log0, launch.rank)
     dtype_name = DTYPE_NAMES[compute_dtype(cfg, device)]
     refuse_a_changed_run_early(cfg, config_fingerprint(cfg, dtype_name, cfg.batch_size * mesh.dims.dp))
@@ -182,7 +183,7 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
         record_history_owner(dump_dir, launch.run_id)
     extra_files = {"tokenizer.model": tokenizer.model_bytes, CONFIG_FILE: config_file,
                    FINGERPRINT_FILE: dump_dir / FINGERPRINT_FILE}
-    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request, launch.run_id)
+    _fit(cfg, trainer, start_step, state, extra_files, launch.rank, log, stop_request, launch.run_id, lock)
 
 
 def build_trainer(
@@ -254,7 +255,7 @@ def _same_data_on_every_rank(cache_key: str) -> None:
 
 def _fit(
     cfg: TrainConfig, trainer: Trainer, start_step: int, state: Callable[..., dict], extra_files: ExtraFiles,
-    rank: int, log: Callable[[str], None], stop_request: StopRequest, job: str,
+    rank: int, log: Callable[[str], None], stop_request: StopRequest, job: str, lock: DumpDirLock | None,
 ) -> None:
     metrics = MetricsLog(Path(cfg.dump_dir), is_writer=rank == 0, total_steps=cfg.steps, start_step=start_step)
     tensorboard = TensorBoardLog(Path(cfg.dump_dir), start_step) if cfg.metrics.tensorboard and rank == 0 else None
@@ -271,6 +272,8 @@ def _fit(
             with profiler.step(step), memory.recording(step):
                 m = trainer.train_step(step)
             memory.after_step(step)
+            if lock is not None:
+                lock.check_owned()  # before this step's outputs are written
             evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
             if evaluate:
                 m.eval_loss = trainer.evaluate()

@@ -3,6 +3,7 @@ releases it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from parallel.errors import ConfigError
 from trainer import dump_dir
 from trainer.config import from_dict
 from trainer.dump_dir import (JOB_FILES, LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable,
@@ -61,6 +63,28 @@ def test_a_lock_whose_holder_died_or_went_silent_is_taken_over(tmp_path):
     taker = DumpDirLock(tmp_path, "new")
     assert taker.acquire() is None
     taker.release()
+
+
+def test_a_holder_whose_lock_was_taken_over_or_removed_stops_writing(tmp_path, monkeypatch):
+    """A job suspended past the stale age finds, once resumed, that another job owns the folder."""
+    monkeypatch.setattr(dump_dir, "HEARTBEAT_S", 0.05)
+    for change, why in (("take over", "taken over by job newcomer (host elsewhere, pid 7)"), ("remove", "removed")):
+        lock = DumpDirLock(tmp_path, "sleeper")
+        assert lock.acquire() is None
+        lock.check_owned()
+        path = tmp_path / LOCK_FILE
+        if change == "remove":
+            path.unlink()
+        else:
+            path.write_text(json.dumps({"host": "elsewhere", "pid": 7, "job": "newcomer", "since": time.time()}))
+        deadline = time.monotonic() + 10
+        while lock.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ConfigError, match=f"its lock was {re.escape(why)} while this job ran; stopping"):
+            lock.check_owned()
+        lock.release()
+        assert (change == "remove") != path.exists()  # the newcomer's lock is left alone
+        path.unlink(missing_ok=True)
 
 
 def _stale_lock(folder) -> None:
