@@ -42,9 +42,22 @@ FP32_MAX = torch.finfo(torch.float32).max  # the optimizer's hyperparameters bec
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
 _DEFAULTS = TrainConfig()
-# Microbatches per step and rank: the schedule lists each one's actions, so a typo such as batch_size=10**9
-# would spend minutes and gigabytes on it before the data could say it has too few sequences.
+# Microbatches per step and rank, and microbatch forwards per step over all pipeline chunks: every rank
+# lists every rank's actions of a step, so a typo such as batch_size=10**9 would spend minutes and
+# gigabytes on it before the data could say it has too few sequences (pp 8 x 4 chunks x 16384
+# microbatches: 30 s and 0.9 GB per rank).
 MAX_MICROBATCHES = 16384
+MAX_SCHEDULED_FORWARDS = 65536
+
+
+def _check_schedule_size(cfg: TrainConfig) -> None:
+    chunks = cfg.pipeline_parallel_size * cfg.virtual_pipeline_stages
+    forwards = cfg.num_microbatches * chunks
+    if forwards > MAX_SCHEDULED_FORWARDS:
+        raise ConfigError(
+            f"batch_size / microbatch_size = {cfg.num_microbatches} microbatches through {chunks} pipeline chunks "
+            f"(pipeline_parallel_size x virtual stages) is {forwards} scheduled forwards per step, more than "
+            f"{MAX_SCHEDULED_FORWARDS}; raise microbatch_size (or lower batch_size, which is per data-parallel rank)")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -56,6 +69,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_parallel_divisibility(cfg)
     _check_fp8(cfg)
     _check_keys_with_effect(cfg)
+    _check_schedule_size(cfg)
     # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
     pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
     dims = ParallelDims.from_sizes(

@@ -18,7 +18,8 @@ Building a schedule has two parts:
    for its receive) as much as with gloo's. A deadlocking compute order is caught while placing.
 
 Consecutive SEND/RECV actions form one batch (`batch_isend_irecv`); inside a batch, even ranks list
-sends first and odd ranks receives first, the pairing by parity Megatron uses for unbatched p2p.
+sends first and odd ranks receives first (Megatron's pairing by parity for unbatched p2p). Batched, the
+order is not what makes progress: with an odd pp and several chunks, ranks pp-1 and 0 are both even.
 """
 
 from dataclasses import dataclass

@@ -68,6 +68,9 @@ def test_llama3_8b_dimensions():
          "seq_len=63 is not divisible by model_parallel_size (model.sequence_parallel=true)=2"),
         (["microbatch_size=3"], 1, "batch_size=4 is not divisible by microbatch_size=3"),
         (["batch_size=1000000000"], 1, "batch_size / microbatch_size = 1000000000 microbatches per step is more than 16384"),
+        (["batch_size=16384", "pipeline_parallel_size=8", "model.n_layers=8"], 8,
+         "batch_size / microbatch_size = 16384 microbatches through 8 pipeline chunks (pipeline_parallel_size x virtual "
+         "stages) is 131072 scheduled forwards per step, more than 65536"),
         (["compute_dtype=fp16"], 1, "compute_dtype=fp16 is not one of: null | bf16 | fp32"),
         (["model.layer_ckpt=some"], 1, "model.layer_ckpt=some is not one of"),
         (["steps=0"], 1, "steps=0 must be > 0"),
