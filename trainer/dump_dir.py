@@ -4,10 +4,11 @@ second job (a duplicate launch, a sweep pointed at one folder) from writing into
 The lock is `{dump_dir}/.lock`, created exclusively (O_EXCL, which shared filesystems honour) by the
 job's rank 0 and holding who owns it. The holder touches it every few seconds; a lock whose holder is a
 dead process on this host (same host name, boot and pid namespace: containers that share a host name
-see other processes, or none, under a pid), or whose heartbeat stopped (a holder on another node that died), or an
-earlier attempt of the same torchrun job (its restart, which may put rank 0 on another node, comes
-only after torchrun stopped every worker of that attempt), is stale and taken over. Anything else is
-a live job, and the newcomer is refused in one line naming it. A lock that looks stale by the
+see other processes, or none, under a pid), or whose heartbeat stopped (a holder on another node that
+died), or an earlier attempt of the same torchrun job (its restart, which may put rank 0 on another
+node, comes only after torchrun stopped every worker of that attempt), is stale and taken over.
+Anything else is a live job, and the newcomer is refused in one line naming it. A holder whose lock
+was taken over meanwhile (it was silent that long: suspended) stops at its next step. A lock that looks stale by the
 newcomer's clock is watched for a few heartbeats first: a live holder touches it meanwhile, whatever
 the clocks of its node, of the newcomer's and of the file server say.
 
