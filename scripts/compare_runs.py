@@ -193,9 +193,9 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
 
 
 def _unlogged(steps: list[int]) -> str:
-    """What a verdict over `steps` (logged by both runs) did not see: the steps up to the last one that
-    neither logged (log_freq), where a difference can hide (a one-step difference need not reach the
-    next logged loss)."""
+    """What a verdict over `steps` (those both runs logged) did not see: how many steps up to the last of
+    them are not among them (log_freq), where a difference can hide (a one-step difference need not
+    reach the next logged loss)."""
     unseen = steps[-1] - len(steps)
     if unseen == 0:
         return ""
