@@ -29,7 +29,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
-    "optim.weight_decay", "optim.eps", "model.fp8_margin", "eval.freq",
+    "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier",
                       "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step")
@@ -38,6 +38,7 @@ SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
 VOCAB_MAX = 2**31 - 1  # sentencepiece and the token ids are 32-bit
 FP32_MAX = torch.finfo(torch.float32).max  # the optimizer's hyperparameters become fp32 tensors
+FP32_TINY = torch.finfo(torch.float32).tiny
 # Signals a scheduler sends before a time limit or preemption (SIGINT and SIGTERM stay torchrun's).
 STOP_SIGNALS = ("USR1", "USR2", "HUP")
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
@@ -117,6 +118,10 @@ def _check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"comm_timeout_s={cfg.comm_timeout_s} must be in [{low:g}, {high:g}] seconds")
     if cfg.model.vocab_size > VOCAB_MAX:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be <= {VOCAB_MAX}")
+    if not cfg.optim.eps >= FP32_TINY:
+        raise ConfigError(f"optim.eps={cfg.optim.eps} must be >= {FP32_TINY:.4g} (> 0 in fp32): AdamW divides by "
+                          "sqrt(v) + eps, and an entry whose gradients were all 0 so far (the embedding row of a "
+                          "token not seen yet) would be updated by 0/0 = NaN")
     for key in ("optim.lr", "optim.eps", "optim.weight_decay", "optim.clip_grad_norm"):
         if get_key(cfg, key) > FP32_MAX:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be <= {FP32_MAX:.4g} (it is used in fp32)")

@@ -75,6 +75,8 @@ def test_llama3_8b_dimensions():
         (["model.layer_ckpt=some"], 1, "model.layer_ckpt=some is not one of"),
         (["steps=0"], 1, "steps=0 must be > 0"),
         (["optim.beta2=1.0"], 1, "optim.beta2=1.0 must be in [0, 1)"),
+        (["optim.eps=0"], 1, "optim.eps=0.0 must be >= 1.175e-38 (> 0 in fp32): AdamW divides by sqrt(v) + eps"),
+        (["optim.eps=1e-40"], 1, "optim.eps=1e-40 must be >= 1.175e-38"),
         (["model.ffn_dim_multiplier=0"], 1, "model.ffn_dim_multiplier=0.0 must be > 0 (or null)"),
         (["seq_len=30", "context_parallel_size=2"], 2, "seq_len=30 is not divisible by 2 x context_parallel_size = 4 (each CP rank"),
         (["context_parallel_size=3", "seq_len=126"], 4,
