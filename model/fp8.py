@@ -78,9 +78,13 @@ def recipe_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int,
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of x * scale to an fp8 format (the cast alone would turn overflow into NaN)."""
+    """Saturating cast of x * scale to an fp8 format (the cast alone would turn overflow into NaN). An
+    infinite x becomes NaN, not the largest value: saturated, an inf in an output gradient would give
+    finite input and weight gradients, and the step's finite check would apply it (and keep its inf
+    amax in the history, freezing the scale)."""
     limit = FP8_MAX[dtype]
-    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+    scaled = (x.float() * scale).clamp_(-limit, limit)
+    return scaled.masked_fill_(x.isinf(), float("nan")).to(dtype)
 
 
 def scaled_mm(a: torch.Tensor, b_rows: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,

@@ -52,6 +52,24 @@ def check_against_reference(gemm: Fp8Gemm, x: torch.Tensor, weight: torch.Tensor
     assert gemm.amax_history[1:].count_nonzero() == 0
 
 
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_an_infinite_operand_is_not_saturated_into_finite_gradients(fmt: str) -> None:
+    """A finite value beyond the format's range saturates; an inf (an overflow upstream) must reach the
+    gradients as non-finite, so that the step's finite check halts or skips the step."""
+    x, weight, grad_out = operands(1e-3)
+    gemm = Fp8Gemm(Fp8Recipe(format=fmt, wgrad=True))
+    gemm.scale.copy_(torch.tensor([3.0, 600.0, 2.0**14]))
+    gemm.scale_is_set.fill_(True)
+    huge = grad_out.clone()
+    huge[0, 0, 0] = 1e30  # finite, far beyond the range: saturated
+    gemm(x, weight).backward(huge)
+    assert torch.isfinite(x.grad).all() and torch.isfinite(weight.grad).all()
+    x.grad = weight.grad = None
+    grad_out[0, 0, 0] = float("inf")
+    gemm(x, weight).backward(grad_out)
+    assert not torch.isfinite(x.grad[0, 0]).all() and not torch.isfinite(weight.grad).all()
+
+
 def test_first_step_scales_activations_by_their_own_amax() -> None:
     """Before any step set them, the input and output-gradient scales come from the tensors' own
     amaxes: step 1's tiny gradients survive E5M2, where the initial scale of 1 flushes them to zero."""
