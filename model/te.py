@@ -130,7 +130,7 @@ class TEAttention(_MicrobatchMarks):
         self.core = AttentionCore(args.efficient_attn, cp)
         kv = args.n_kv_heads * args.head_dim
         parts = (args.n_heads * args.head_dim, kv, kv)
-        self.local_sizes = [p // tp.size for p in parts]
+        self.local_sizes = [tp.local_size(p, "out_features") for p in parts]
         self.wqkv = norm_linear(args, tp, parts)
         self.wo = row_linear(args.n_heads * args.head_dim, args.dim, tp)
 
@@ -151,7 +151,7 @@ class TEFeedForward(_MicrobatchMarks):
     def __init__(self, args: ModelArgs, tp: TPContext, cache_fp8_weights: bool):
         super().__init__(cache_fp8_weights)
         hidden = args.ffn_hidden_dim
-        self.local_sizes = [hidden // tp.size] * 2
+        self.local_sizes = [tp.local_size(hidden, "ffn hidden size")] * 2
         self.w13 = norm_linear(args, tp, (hidden, hidden))  # gate, up
         self.w2 = row_linear(hidden, args.dim, tp)
 

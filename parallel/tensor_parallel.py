@@ -130,6 +130,13 @@ class TPContext:
             return partial_sum
         return scatter_to_sp(partial_sum, self.group) if self.sequence_parallel else reduce_from_tp(partial_sum, self.group)
 
+    def local_size(self, size: int, what: str) -> int:
+        """This rank's share of a dimension that splits evenly over TP (validate refuses the configs that
+        do not; a remainder would silently belong to no rank)."""
+        if size % self.size:
+            raise ValueError(f"{what}={size} does not split over tensor parallelism of size {self.size}")
+        return size // self.size
+
 
 def mark_tp_dim(param: nn.Parameter, dim: int | None, parts: tuple[int, ...] | None = None) -> nn.Parameter:
     """Record which dim of a parameter is split over TP (None: replicated) and, for a fused parameter,
@@ -176,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp, self.gemm = tp, gemm
         parts = out_features if isinstance(out_features, tuple) else (out_features,)
-        self.local_sizes = [p // tp.size for p in parts]
+        self.local_sizes = [tp.local_size(p, "out_features") for p in parts]
         weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
         self.weight = mark_tp_dim(weight, 0, parts if len(parts) > 1 else None)
 
@@ -195,7 +202,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, gemm: nn.Module | None = None):
         super().__init__()
         self.tp, self.gemm = tp, gemm
-        self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features, in_features // tp.size)), 1)
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(out_features, tp.local_size(in_features, "in_features"))), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.exit(matmul(x, self.weight, self.gemm))
@@ -208,8 +215,9 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TPContext):
         super().__init__()
         self.tp = tp
-        self.vocab_start = tp.rank * vocab_size // tp.size
-        self.weight = mark_tp_dim(nn.Parameter(torch.empty(vocab_size // tp.size, dim)), 0)
+        local = tp.local_size(vocab_size, "vocab_size")
+        self.vocab_start = tp.rank * local
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(local, dim)), 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
