@@ -312,9 +312,9 @@ def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:
 
 def _check_supported(cfg: TrainConfig) -> None:
     for key, supported in NOT_SUPPORTED_YET:
-        value = get_key(cfg, key)
-        if value != supported:
-            raise ConfigError(f"{key}={value} is not supported yet (only {supported} is)")
+        if get_key(cfg, key) != supported:
+            shown = "true" if supported is True else "false" if supported is False else supported
+            raise ConfigError(f"{setting(cfg, key)} is not supported yet (only {shown} is)")
 
 
 def _divisible(key: str, value: int, by_key: str, by: int) -> None:

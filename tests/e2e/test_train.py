@@ -11,7 +11,10 @@ from tests.e2e.launch import died_before_saving, losses, metrics, train_ok
 # Small and quick: tiny model, short sequences, a warmup short enough for the loss to move in 6 steps;
 # as many KV heads as heads, so that tp=4 (the resharding test) divides them.
 FAST = ("model=tiny", "seq_len=64", "optim.warmup_steps=1", "optim.lr=1e-2", "log_all_steps=true", "model.n_kv_heads=4")
-CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops", "mem_peak_gib", "comm"}
+# metrics.jsonl's contract: every record has these (eval_loss only on evaluation steps); mfu and
+# mfu_compute are null without a known device peak (CPU).
+CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
+                   "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib", "comm", "skipped_steps", "wall_time"}
 
 
 LAYOUTS = {  # name: (ranks, overrides); every layout sees the same 4-sequence global batch
