@@ -51,6 +51,11 @@ def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
             if number < lines[-1][0] or text.endswith("\n"):
                 raise UnreadableMetrics(f"{path} line {number} is not a JSON record: {e}") from None
             notes.append(f"{path}: its last line is partial (a run still writing, or killed mid-line): left out")
+    for record in records:  # the trainer writes a NaN or Inf as null and names which in `nonfinite`
+        kinds = record.get("nonfinite") if isinstance(record, dict) else None
+        for key, kind in (kinds.items() if isinstance(kinds, dict) else ()):
+            if record.get(key) is None and kind in ("nan", "inf", "-inf"):
+                record[key] = float(kind)
     try:
         by_step = {int(r["step"]): r for r in records}
     except (KeyError, TypeError, ValueError) as e:

@@ -65,8 +65,12 @@ class StepMetrics:
     wall_time: float = field(default_factory=time.time)  # when the step ended (seconds since the epoch)
 
     def record(self) -> dict:
-        """The JSON record: a NaN or Inf number becomes null (JSON has none); optional fields only when set."""
-        return {k: _json_value(v) for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
+        """The JSON record: a NaN or Inf number becomes null (JSON has none) and `nonfinite` names which
+        (so that a NaN and an Inf do not compare equal); optional fields only when set."""
+        record = {k: _json_value(v) for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
+        kinds = {k: repr(v) for k, v in self.__dict__.items() if k in record and isinstance(v, float)
+                 and not math.isfinite(v)}
+        return record | ({"nonfinite": kinds} if kinds else {})
 
 
 _OPTIONAL = ("eval_loss", "unit_grad_norms", "unit_param_norms")

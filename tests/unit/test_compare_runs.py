@@ -132,6 +132,22 @@ def test_non_finite_missing_and_eval_values_are_compared_not_skipped(tmp_path, c
         assert "bitwise equal" not in verdict, (name, verdict)
     both_null = base | {"grad_norm": None}
     assert compare_runs.main([str(tmp_path / "null_norm"), str(_write(tmp_path / "null2", [both_null]))]) == 0
+    capsys.readouterr()
+    # As the trainer writes them: null, and `nonfinite` naming which. A NaN and an Inf differ.
+    from trainer.metrics import StepMetrics
+
+    def logged(folder: str, loss: float) -> Path:
+        metrics = StepMetrics(step=1, loss=loss, grad_norm=0.6, lr=1e-3, tokens_per_s=1.0, step_time_s=1.0,
+                              tflops=1.0, tflops_compute=1.0, comm_wait_s=0.0, mfu=None, mfu_compute=None,
+                              mem_peak_gib=1.0, comm={})
+        return _write(tmp_path / folder, [json.loads(json.dumps(metrics.record()))])
+
+    nan, inf, nan2 = logged("nan", float("nan")), logged("inf", float("inf")), logged("nan2", float("nan"))
+    record = json.loads((nan / "metrics.jsonl").read_text())
+    assert record["loss"] is None and record["nonfinite"] == {"loss": "nan"}
+    assert compare_runs.main([str(nan), str(inf)]) == 1
+    assert "values differ in kind at step 1 (loss" in capsys.readouterr().out
+    assert compare_runs.main([str(nan), str(nan2), "--fields", "loss,grad_norm"]) == 0
 
 
 def test_unreadable_or_duplicated_metrics_exit_2_with_one_line(tmp_path, capsys):
