@@ -19,7 +19,7 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from parallel import comm
-from trainer.checkpoint import (CheckpointError, ExtraFiles, complete_save, own_files, prepare_save,
+from trainer.checkpoint import (CheckpointError, ExtraFiles, complete_save, last_line, own_files, prepare_save,
                                 prune_checkpoints)
 
 
@@ -58,9 +58,10 @@ class AsyncCheckpointer:
         try:
             future.result()
             save.files = own_files(save.tmp, self.rank)
-        except Exception as e:  # reported on the main thread, by every rank, at completion
-            save.error = f"{type(e).__name__}: {e}"
-        save.done.set()
+        except BaseException as e:  # DCP's CheckpointException is one; reported by every rank at completion
+            save.error = f"{type(e).__name__}: {last_line(e)}"
+        finally:
+            save.done.set()  # else the next save, or the end of training, would wait forever
 
     def poll(self) -> None:
         """At a step boundary: complete the save in flight if every rank has written its part."""

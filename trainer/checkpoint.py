@@ -25,10 +25,17 @@ MANIFEST = "manifest.json"
 # at each save, bytes are what was read once at start (the tokenizer in use, whatever its file becomes).
 ExtraFiles = Mapping[str, Path | bytes]
 _STEP_PREFIX = "step_"
+_DELETED_PREFIX = ".old_"  # a checkpoint folder being deleted
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that is corrupt, truncated or does not match the run."""
+
+
+def last_line(e: BaseException) -> str:
+    """The line of an error that says what failed (DCP's gather of per-rank failures spans many)."""
+    lines = str(e).strip().splitlines()
+    return lines[-1] if lines else repr(e)
 
 
 def _dcp_io():
@@ -87,10 +94,11 @@ def save_checkpoint(
 
 
 def prepare_save(root: Path, step: int, group: ProcessGroup, rank: int) -> Path:
-    """The hidden folder a save writes into (rank 0 first removes any that crashed saves left)."""
+    """The hidden folder a save writes into (rank 0 first removes any that crashed saves or deletions
+    left)."""
     tmp = root / f".tmp_{_STEP_PREFIX}{step}"
     if rank == 0:
-        for stale in root.glob(f".tmp_{_STEP_PREFIX}*"):
+        for stale in [*root.glob(f".tmp_{_STEP_PREFIX}*"), *root.glob(f"{_DELETED_PREFIX}{_STEP_PREFIX}*")]:
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:  # a file or link in the hidden folder's place would fail the mkdir below
@@ -157,9 +165,7 @@ def _finish(tmp: Path, final: Path, entries: list, extra_files: ExtraFiles) -> N
     with manifest.open("rb") as f:
         os.fsync(f.fileno())
     if final.exists():
-        stale = final.with_name(f".old_{final.name}")
-        os.replace(final, stale)
-        shutil.rmtree(stale)
+        _delete(final)
     os.replace(tmp, final)
 
 
@@ -169,7 +175,17 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         return
     complete = [path for _, path in _step_folders(root) if (path / MANIFEST).is_file()]
     for path in complete[:-keep]:
-        shutil.rmtree(path)
+        _delete(path)
+
+
+def _delete(path: Path) -> None:
+    """Remove a checkpoint folder: renamed to a hidden name first (atomic), so that a kill while its files
+    are deleted leaves no step_N folder that still looks complete (rmtree may delete the shards before
+    the manifest); the next save clears what is left."""
+    hidden = path.with_name(f"{_DELETED_PREFIX}{path.name}")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden)
 
 
 def file_is_intact(path: Path, name: str) -> bool:

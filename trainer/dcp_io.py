@@ -19,11 +19,16 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from parallel.fsdp.state_dict import BoxedParameter
 
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointError, last_line
 
 
 def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:
-    dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group)
+    """Write `state` into `folder`; any failure (a full disk, a rank's I/O error) is one CheckpointError
+    line on every rank."""
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group)
+    except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
+        raise CheckpointError(f"checkpoint save into {folder} failed: {last_line(e)}")
 
 
 def host_copy(state: object) -> object:
@@ -104,5 +109,4 @@ def load_state(path: Path, state: dict, group: ProcessGroup | None) -> None:
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
-        cause = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {cause[-1] if cause else e!r}")
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {last_line(e)}")

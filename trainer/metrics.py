@@ -151,8 +151,11 @@ class MetricsLog:
         moved = [line for line in records if json.loads(line)["step"] > start_step] + ([partial] if partial else [])
         if not moved:
             return
-        with (self.path.parent / SUPERSEDED_FILE).open("a") as f:
-            f.write("".join(line + "\n" for line in moved))
+        superseded = self.path.parent / SUPERSEDED_FILE
+        # Already there when a kill came between this append and the rewrite below: not appended twice.
+        if not superseded.exists() or superseded.read_text().splitlines()[-len(moved):] != moved:
+            with superseded.open("a") as f:
+                f.write("".join(line + "\n" for line in moved))
         tmp = self.path.with_name(REWRITE_FILE)
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)

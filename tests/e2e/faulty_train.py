@@ -9,6 +9,8 @@ POINT is where in step STEP worker RANK dies:
   save_begin   entering the checkpoint save after the step, before any shard is written
   save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
   save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
+or, with POINT `write_error`, worker RANK does not die: its shard write of step STEP's checkpoint fails
+as on a full disk (ENOSPC), also in checkpoint.async_save's background thread;
 or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
 reduce-scatter, so its peers wait in that collective (it prints `stalling at <unix time>` first);
 with POINT `halt` and RANK `all`, every worker raises FloatingPointError as step STEP begins, as an
@@ -19,6 +21,7 @@ The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a grou
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
 
+import errno
 import os
 import runpy
 import signal
@@ -108,6 +111,15 @@ def arm(point: str, step: int) -> None:
             return future
 
         FileSystemWriter.write_data = write_then_die
+    elif point == "write_error":
+        write_data = FileSystemWriter.write_data
+
+        def full_disk(self, plan, planner):  # by folder: a background write runs after the step moved on
+            if Path(str(self.path)).name == f".tmp_step_{step}":
+                raise OSError(errno.ENOSPC, "No space left on device (faulty_train)")
+            return write_data(self, plan, planner)
+
+        FileSystemWriter.write_data = full_disk
     elif point == "save_rename":
         replace = os.replace
 
@@ -121,7 +133,7 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in (*POINTS, "stall", "halt", "signal_then_die"), point
+    assert point in (*POINTS, "stall", "halt", "signal_then_die", "write_error"), point
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank in ("all", os.environ.get("RANK")):
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import CHECKPOINTED_RUN
-from tests.e2e.launch import error_lines, losses, metrics, train
+from tests.e2e.launch import assert_one_error, error_lines, losses, metrics, train
 
 RUN = (*CHECKPOINTED_RUN, "checkpoint.keep=1")
 
@@ -57,6 +57,20 @@ def test_a_kill_in_backward_or_the_optimizer_resumes_from_the_newest_checkpoint(
     proc = run_with_fault(tmp_path / "dump", fault)
     assert_recovered(proc, tmp_path / "dump", fault, straight)
     assert f"step_{resumed_at} (step {resumed_at})" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_to_write_is_one_error_line_and_keeps_the_previous_checkpoint(tmp_path, async_save):
+    """Rank 1's shard of step 4 cannot be written (a full disk): every rank stops with the cause in one
+    line, exit 2, instead of a traceback (synchronous) or a hang at the next save (asynchronous: DCP's
+    error is a BaseException, which the background thread's handler let escape); step_2 stays."""
+    dump = tmp_path / "dump"
+    proc = train(2, dump, *RUN, f"checkpoint.async_save={str(async_save).lower()}", fault="write_error:4:1",
+                 timeout=180)
+    assert_one_error(proc, "No space left on device (faulty_train)")
+    assert "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    assert (dump / "checkpoints" / "step_2" / "manifest.json").is_file()
+    assert not (dump / "checkpoints" / "step_4").exists()
 
 
 def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):

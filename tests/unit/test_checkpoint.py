@@ -36,6 +36,31 @@ def test_round_trip_prune_and_latest(tmp_path, world):
     assert torch.equal(target["model"]["w"], state(3)["model"]["w"]) and int(target["trainer"]["step"]) == 3
 
 
+def test_a_kill_while_pruning_leaves_no_folder_that_looks_complete(tmp_path, world, monkeypatch):
+    """rmtree may delete the shards before the manifest: the folder is renamed to a hidden name first,
+    and the next save clears what the kill left."""
+    from trainer import checkpoint
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})
+    rmtree = checkpoint.shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        if kwargs.get("ignore_errors"):
+            return rmtree(path, *args, **kwargs)
+        next(p for p in path.iterdir() if p.name.startswith("__")).unlink()  # a shard goes, the manifest stays
+        raise KeyboardInterrupt  # the kill
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, keep=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old_step_1", "step_2"]
+    assert latest_checkpoint(tmp_path, before=2) is None  # no half-deleted step_1 offered as the previous one
+    prepare_save(tmp_path, 3, world, rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_step_3", "step_2"]
+
+
 def test_a_file_where_a_save_puts_its_hidden_folder_is_cleared(tmp_path, world):
     (tmp_path / ".tmp_step_4").write_text("left by hand")
     (tmp_path / ".tmp_step_7").symlink_to(tmp_path / "nowhere")

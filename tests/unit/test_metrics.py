@@ -1,5 +1,7 @@
 """metrics.jsonl: the step line's ETA counts the wall time between logged steps, checkpoint saves included;
-the history a resume reads back."""
+the history a resume reads back and repairs."""
+
+import json
 
 import pytest
 
@@ -37,3 +39,26 @@ def test_a_history_line_without_an_integer_step_is_damage_named_by_its_line(tmp_
             read_history(path)
         path.write_text(f'{{"step": 1}}\n{bad}\n')
         assert read_history(path) == (['{"step": 1}'], bad)
+
+
+def test_a_kill_during_the_resume_repair_does_not_supersede_records_twice(tmp_path, monkeypatch):
+    """The moved records are appended to the superseded file before metrics.jsonl is replaced: a kill
+    in between makes the next resume move the same records again, which are then not appended twice."""
+    from trainer import metrics
+
+    log = MetricsLog(tmp_path, is_writer=True, total_steps=6, start_step=0)
+    for step in range(1, 7):
+        log.log(_metrics(step, 1000.0 + step))
+    replace = metrics.os.replace
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(metrics.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(tmp_path, is_writer=True, total_steps=6, start_step=4)
+    monkeypatch.setattr(metrics.os, "replace", replace)
+    MetricsLog(tmp_path, is_writer=True, total_steps=6, start_step=4)
+    steps = [[json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+             for name in (metrics.METRICS_FILE, metrics.SUPERSEDED_FILE)]
+    assert steps == [[1, 2, 3, 4], [5, 6]]
