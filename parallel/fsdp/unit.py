@@ -132,6 +132,7 @@ class FSDPUnit:
         self._microbatch_aware = [m for m in module.modules() if isinstance(m, MicrobatchAware)]
         self.state = UnitState.SHARDED
         self._gather: list[tuple[comm.Pending, torch.Tensor]] = []  # in flight, with the inputs kept alive
+        self._gathered_version = -1  # the shard's version counter when it was last gathered
         self.is_last_microbatch = True
         self.grad_accumulator: torch.Tensor | None = None  # fp32, unsharded, across microbatches
         self.unwritten: set[int] = set()  # parameters whose accumulator slice is not written yet (grad_sync.py)
@@ -172,8 +173,13 @@ class FSDPUnit:
 
     # --- state transitions -------------------------------------------------------------------
     def start_unshard(self) -> None:
+        if self.state is not UnitState.SHARDED and self._gathered_version != self.flat_param._version:
+            # The shard changed in place since it was gathered (an optimizer step or a load while a
+            # ZeRO-2 unit stayed unsharded): the gathered weights are stale, gather them again.
+            self.reshard()
         if self.state is not UnitState.SHARDED:
             return
+        self._gathered_version = self.flat_param._version
         allocate_storage(self._buffer)
         if self._fp8 is not None:
             self._gather = self._fp8.start(self.flat_param.detach())

@@ -1,8 +1,10 @@
 """What a flat parameter cannot represent is refused when the model is sharded, never trained wrongly:
 a frozen parameter inside a unit (the flat parameter would train it), a weight tied across two units
-(each would get its own copy, trained apart), and a unit with nothing to shard."""
+(each would get its own copy, trained apart), and a unit with nothing to shard; nor does a unit left
+unsharded compute with weights older than its shard."""
 
 import pytest
+import torch
 from torch import nn
 
 from parallel.fsdp import FSDPConfig, fully_shard
@@ -33,3 +35,21 @@ def test_a_unit_without_parameters_is_refused(world):
     model.c = nn.ReLU()
     with pytest.raises(ValueError, match=r"^FSDP unit c has no parameters"):
         fully_shard(model, ["a", "b", "c"], world, None, FSDPConfig())
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_unit_left_unsharded_regathers_a_shard_changed_in_place(world, reshard_after_forward):
+    """ZeRO-2 keeps a unit unsharded after its forward: an in-place change of its shard meanwhile (an
+    optimizer step or a load outside the trainer's step, which reshards) must not leave the next
+    forward on the old gathered weights."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    root = fully_shard(model, ["0", "1"], world, None, FSDPConfig(reshard_after_forward=reshard_after_forward))
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        before = model(x)
+        for unit in root.units:
+            unit.flat_param.mul_(0.5)
+        after = model(x)
+        root.reshard()
+        regathered = model(x)
+    assert not torch.equal(before, after) and torch.equal(after, regathered)
