@@ -160,13 +160,26 @@ def _finish(tmp: Path, final: Path, entries: list, extra_files: ExtraFiles) -> N
     for path in tmp.iterdir():
         if path.name not in files:
             files[path.name] = _file_entry(path)
+            _fsync(path)  # DCP syncs its shard files; these copies are ours
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
-    with manifest.open("rb") as f:
-        os.fsync(f.fileno())
+    _fsync(manifest)
+    _fsync(tmp)
     if final.exists():
         _delete(final)
     os.replace(tmp, final)
+    # The rename on disk before anything is pruned: after a node crash (not just a killed process) the
+    # newest checkpoint must not be missing while the older ones are gone.
+    _fsync(final.parent)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:

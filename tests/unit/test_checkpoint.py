@@ -61,6 +61,25 @@ def test_a_kill_while_pruning_leaves_no_folder_that_looks_complete(tmp_path, wor
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_step_3", "step_2"]
 
 
+def test_a_save_is_on_disk_before_anything_is_pruned(tmp_path, world, monkeypatch):
+    """Our own copies (extra files, the manifest) and the folder's entries are synced, and the rename
+    into place is synced in the parent before the save returns (pruning follows it)."""
+    from trainer import checkpoint
+
+    synced: list[str] = []
+    fsync = checkpoint.os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={"tokenizer.model": b"spm"})
+    hidden = str(tmp_path / ".tmp_step_1")
+    assert {f"{hidden}/tokenizer.model", f"{hidden}/{MANIFEST}", hidden} <= set(synced)
+    assert synced[-1] == str(tmp_path)
+
+
 def test_a_file_where_a_save_puts_its_hidden_folder_is_cleared(tmp_path, world):
     (tmp_path / ".tmp_step_4").write_text("left by hand")
     (tmp_path / ".tmp_step_7").symlink_to(tmp_path / "nowhere")
