@@ -78,13 +78,17 @@ def recipe_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int,
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of x * scale to an fp8 format (the cast alone would turn overflow into NaN). An
-    infinite x becomes NaN, not the largest value: saturated, an inf in an output gradient would give
-    finite input and weight gradients, and the step's finite check would apply it (and keep its inf
-    amax in the history, freezing the scale)."""
+    """Saturating cast of x * scale to an fp8 format (the cast alone would turn overflow into NaN)."""
     limit = FP8_MAX[dtype]
-    scaled = (x.float() * scale).clamp_(-limit, limit)
-    return scaled.masked_fill_(x.isinf(), float("nan")).to(dtype)
+    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def _cast_scale(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The scale to cast x with, given x's amax: NaN when the amax is not finite (an inf or NaN in x), so
+    that the whole cast is NaN rather than saturated. Saturated, an inf in an output gradient would give
+    finite input and weight gradients, the step's finite check would apply it, and its inf amax would
+    freeze the scale for the whole history. A scalar operation: no extra pass over x."""
+    return torch.where(torch.isfinite(amax), scale, torch.nan)
 
 
 def scaled_mm(a: torch.Tensor, b_rows: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
@@ -175,8 +179,8 @@ class Fp8Gemm(nn.Module):
         if self.is_first_microbatch is False and self._weight_cast is not None:
             return self._weight_cast
         w = weight.detach()
-        self.record_amax(WEIGHT, w)
-        cast = quantize(w, self.scale[WEIGHT], self.recipe.forward_dtype)
+        amax = self.record_amax(WEIGHT, w)
+        cast = quantize(w, _cast_scale(self.scale[WEIGHT], amax), self.recipe.forward_dtype)
         self._weight_cast = cast if self.is_first_microbatch is not None else None
         return cast
 
@@ -193,9 +197,9 @@ class Fp8Gemm(nn.Module):
         """The scale to cast activation x with: the delayed scale once set, else x's own (see above)."""
         amax = self.record_amax(operand, x)
         if self.activation_scales_set:
-            return self.scale[operand].clone()
+            return _cast_scale(self.scale[operand], amax)
         current = recipe_scale(amax, self.recipe.operand_max(operand), self.recipe.margin, self.scale[operand])
-        return torch.where(self.scale_is_set[operand], self.scale[operand], current)
+        return _cast_scale(torch.where(self.scale_is_set[operand], self.scale[operand], current), amax)
 
     def record_weight_amax(self, piece: torch.Tensor) -> None:
         """Step 0: fold (a piece of) the weight's amax into the row the next update reads."""
@@ -225,8 +229,8 @@ class Fp8Gemm(nn.Module):
 
     def cast_weight_shard(self, piece: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the weight, cast with the step's weight scale (its amax recorded)."""
-        self.record_amax(WEIGHT, piece)
-        return quantize(piece, self.scale[WEIGHT], self.recipe.forward_dtype)
+        amax = self.record_amax(WEIGHT, piece)
+        return quantize(piece, _cast_scale(self.scale[WEIGHT], amax), self.recipe.forward_dtype)
 
     def use_gathered_weight(self, weight_fp8: torch.Tensor) -> torch.Tensor:
         """Take the gathered fp8 weight for the coming GEMMs; returns its dequantized fp32 value."""

@@ -265,15 +265,14 @@ def get_key(cfg: TrainConfig, key: str) -> Any:
 
 def flat_values(cfg: TrainConfig) -> dict[str, Any]:
     """Every key of the config (dotted, as on the command line) with its value."""
-    def flat(obj: Any, prefix: str) -> dict[str, Any]:
-        if not dataclasses.is_dataclass(obj):
-            return {prefix: obj}
-        return {key: value for f in fields(obj) for key, value in flat(getattr(obj, f.name), f"{prefix}{f.name}.").items()}
-    return {key.rstrip("."): value for key, value in flat(cfg, "").items()}
+    return {key: get_key(cfg, key) for key in _known_keys(TrainConfig, "")}
 
 
 def setting(cfg: TrainConfig, key: str) -> str:
     """`key=value` as it is written on the command line (true/false, null), for messages."""
-    value = get_key(cfg, key)
-    shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-    return f"{key}={shown}"
+    return f"{key}={as_written(get_key(cfg, key))}"
+
+
+def as_written(value: Any) -> Any:
+    """A config value as the command line writes it (true/false, null)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else value

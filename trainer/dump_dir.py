@@ -8,9 +8,9 @@ see other processes, or none, under a pid), or whose heartbeat stopped (a holder
 died), or an earlier attempt of the same torchrun job (its restart, which may put rank 0 on another
 node, comes only after torchrun stopped every worker of that attempt), is stale and taken over.
 Anything else is a live job, and the newcomer is refused in one line naming it. A holder whose lock
-was taken over meanwhile (it was silent that long: suspended) stops at its next step. A lock that looks stale by the
-newcomer's clock is watched for a few heartbeats first: a live holder touches it meanwhile, whatever
-the clocks of its node, of the newcomer's and of the file server say.
+was taken over meanwhile (it was silent that long: suspended) stops at its next step. A lock that
+looks stale by the newcomer's clock is watched for a few heartbeats first: a live holder touches it
+meanwhile, whatever the clocks of its node, of the newcomer's and of the file server say.
 
 Only one newcomer at a time judges and removes a stale lock, inside `{dump_dir}/.lock.takeover` (also
 created exclusively): two newcomers that both found the lock stale would otherwise both remove it, the

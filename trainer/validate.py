@@ -15,7 +15,7 @@ from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
-from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, get_key, setting
+from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder, run_tokenizer
 from trainer.resume import resumes
@@ -313,8 +313,7 @@ def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:
 def _check_supported(cfg: TrainConfig) -> None:
     for key, supported in NOT_SUPPORTED_YET:
         if get_key(cfg, key) != supported:
-            shown = "true" if supported is True else "false" if supported is False else supported
-            raise ConfigError(f"{setting(cfg, key)} is not supported yet (only {shown} is)")
+            raise ConfigError(f"{setting(cfg, key)} is not supported yet (only {as_written(supported)} is)")
 
 
 def _divisible(key: str, value: int, by_key: str, by: int) -> None:
