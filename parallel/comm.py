@@ -281,7 +281,20 @@ def batch_isend_irecv(
         _record("send" if is_send else "recv", group, _nbytes(tensor))
         p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, group=group, group_peer=peer))
     with traced("send_recv", group, label, blocking=False):
-        return dist.batch_isend_irecv(p2p)
+        works = dist.batch_isend_irecv(p2p)
+    return _work_per_op(works, len(ops))
+
+
+def _work_per_op(works: list[Work], num_ops: int) -> list[Work]:
+    """gloo returns a work per operation, NCCL one work for its coalesced batch, done when all of it is.
+    Callers pair works with operations: paired with a batch's first op only, a receive after a send
+    (even pipeline ranks list sends first) would never be waited on, and CUDA would read its buffer
+    before NCCL wrote it."""
+    if len(works) == num_ops:
+        return works
+    if len(works) == 1:
+        return works * num_ops
+    raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {num_ops} operations")
 
 
 def barrier(group: ProcessGroup) -> None:
