@@ -2,8 +2,10 @@
 
     python scripts/visualize_schedule.py pp=4 vpp=2 microbatches=8 schedule=interleaved_1f1b out.png
 
-Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk) and actions=FILE (write
-every rank's action list, one action per line, e.g. `r1 F c0 m3`, to diff two schedules).
+Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk), sends=block|async
+(block: a send waits for its receive, the strict model; async: a batch of sends only is not waited, as
+in the runtime) and actions=FILE (write every rank's action list, one action per line, e.g.
+`r1 F c0 m3`, to diff two schedules).
 """
 
 import sys
@@ -16,7 +18,7 @@ from parallel.pipeline.schedule import effective_schedule, pipeline_actions  # n
 from parallel.pipeline.simulate import draw_timeline, simulate, uniform_costs  # noqa: E402
 
 DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
-            "actions": ""}
+            "sends": "block", "actions": ""}
 USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b] OUT.png"
 
 
@@ -41,9 +43,11 @@ def main(argv: list[str]) -> None:
         pp, vpp, m = int(options["pp"]), int(options["vpp"]), int(options["microbatches"])
         costs = uniform_costs(float(options["forward"]), float(options["backward"]), float(options["p2p"]))
         programs = pipeline_actions(options["schedule"], pp, vpp, m)
+        if options["sends"] not in ("block", "async"):
+            raise ValueError(f"sends={options['sends']} is not one of: block | async")
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
-    timeline = simulate(programs, pp, vpp, costs)
+    timeline = simulate(programs, pp, vpp, costs, sends_block=options["sends"] == "block")
     title = f"{effective_schedule(options['schedule'], vpp)}  pp={pp} vpp={vpp} microbatches={m}"
     draw_timeline(timeline, out, title)
     if options["actions"]:

@@ -2,9 +2,12 @@
 
 No process group is needed. Each rank executes its program in order; a compute action takes its cost;
 a communication batch posts all its operations when the rank reaches it and completes when every
-operation's counterpart has been posted by its peer (plus the p2p cost): NCCL's semantics, the
-strictest, so a program that completes here cannot deadlock on a real backend. The simulation also
-checks that every compute finds its input already there, so it validates the schedule it times.
+operation's counterpart has been posted by its peer (plus the p2p cost). By default the rank waits for
+that (`sends_block=True`): a send waits for its receive, the strictest semantics, so a program that
+completes here cannot deadlock on a real backend. With `sends_block=False` a batch of sends only is
+not waited (what the runtime does: it waits for receives), while a batch that receives is waited
+whole (on NCCL the batch is one work). The simulation also checks that every compute finds its input
+already there and every send is received, so it validates the schedule it times.
 """
 
 import random
@@ -70,8 +73,8 @@ class Timeline:
 
 
 class _Simulation:
-    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn):
-        self.pp, self.num_stages, self.cost = pp, pp * vpp, cost
+    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool):
+        self.pp, self.num_stages, self.cost, self.sends_block = pp, pp * vpp, cost, sends_block
         self.steps = [batched(list(p)) for p in programs]
         self.position, self.clock = [0] * pp, [0.0] * pp
         self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
@@ -86,6 +89,9 @@ class _Simulation:
                 stuck = [str(self.steps[r][self.position[r]][0]) for r in range(self.pp)
                          if self.position[r] < len(self.steps[r])]
                 raise ScheduleError(f"deadlock: ranks wait at {', '.join(stuck)}")
+        unreceived = [key for key, is_send in self.posted if is_send and (key, False) not in self.posted]
+        if unreceived:
+            raise ScheduleError(f"sent, never received: {unreceived[0]}")
         return self.timeline
 
     def _advance(self, rank: int) -> bool:
@@ -122,6 +128,8 @@ class _Simulation:
         keys = [(transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")) for a in batch]
         for key in keys:
             self.posted.setdefault(key, self.clock[rank])
+        if not self.sends_block and all(is_send for _, is_send in keys):
+            return True
         if any((key, not is_send) not in self.posted for key, is_send in keys):
             return False
         finish = max(max(self.posted[(k, s)], self.posted[(k, not s)]) + self.cost(a) for (k, s), a in zip(keys, batch))
@@ -130,9 +138,9 @@ class _Simulation:
         return True
 
 
-def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None) -> Timeline:
+def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True) -> Timeline:
     """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
-    return _Simulation(programs, pp, vpp, cost or uniform_costs()).run()
+    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block).run()
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
