@@ -102,3 +102,22 @@ def _counted(draw_tile, drawn: list, *args):
     tile = draw_tile(*args)
     drawn.append(tile.numel())
     return tile
+
+
+def test_no_two_tiles_of_llama3_8b_share_a_generator_across_two_seeds():
+    """Every tile of every parameter of the full llama3_8b, for seeds 0 and 1, gets its own stream:
+    two tiles with one seed would be exact copies (a seed sweep would share them)."""
+    args = from_dict({"model": OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "llama3_8b.yaml")),
+                      "seq_len": 128}).model_args()
+    with torch.device("meta"):
+        model = Transformer(args, TPContext())
+    seeds = set()
+    count = 0
+    for name, p in model.named_parameters():
+        tile = init._tile_shape(p.shape)
+        grid = [range(-(-p.shape[d] // tile[d])) for d in range(min(p.dim(), 2))]
+        for index in init._product(grid):
+            for seed in (0, 1):
+                seeds.add(init.tile_seed(seed, name, index))
+                count += 1
+    assert count > 900_000 and len(seeds) == count
