@@ -52,10 +52,10 @@ def _newest(step: int) -> str:
     return f"newest checkpoint step_{step}" if step else "no checkpoint"
 
 
-def resumes(cfg: TrainConfig) -> bool:
-    """Whether the run continues a checkpoint of its dump_dir (resume() loads the newest complete one)
-    rather than starting at step 0."""
-    return latest_checkpoint(Path(cfg.dump_dir) / CHECKPOINTS_DIR) is not None
+def resumed_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The checkpoint of its dump_dir the run continues (resume() loads the newest complete one);
+    None: it starts at step 0."""
+    return latest_checkpoint(Path(cfg.dump_dir) / CHECKPOINTS_DIR)
 
 
 def _check_steps(cfg: TrainConfig, path: Path) -> None:

@@ -42,7 +42,7 @@ from trainer.parallelize import (
 )
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
-from trainer.resume import refuse_a_changed_run_early, resume, resumes
+from trainer.resume import refuse_a_changed_run_early, resume, resumed_checkpoint
 from trainer.state import checkpoint_state
 from trainer.validate import layout_noops
 from trainer.tensorboard import TensorBoardLog
@@ -206,9 +206,9 @@ def _build_data(
     cfg: TrainConfig, mesh: ParallelMesh, rank: int, log: Callable[[str], None]
 ) -> tuple[Tokenizer, BatchLoader, BatchLoader | None]:
     """The tokenizer, the training batches and (with eval.freq) the held-out evaluation batches."""
-    tokenizer_path = run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resuming=resumes(cfg))
+    tokenizer_path = run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed_checkpoint(cfg))
     if tokenizer_path != cfg.data.tokenizer:
-        log(f"data: tokenizer {tokenizer_path} (of checkpoint.init_from_hf; data.tokenizer is null)")
+        log(f"data: tokenizer {tokenizer_path} (that of checkpoint.init_from_hf; data.tokenizer is null)")
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, tokenizer_path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=_same_data_on_every_rank,

@@ -18,7 +18,7 @@ from parallel.pipeline.schedule import pipeline_actions
 from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.fingerprint import ALLOWABLE
 from trainer.hf_import import check_hf_folder, run_tokenizer
-from trainer.resume import resumes
+from trainer.resume import resumed_checkpoint
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -78,8 +78,10 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     )
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
-        check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
-        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resuming=resumes(cfg))
+        resumed = resumed_checkpoint(cfg)
+        if resumed is None:  # a resume reads its weights from the checkpoint: the folder may be gone
+            check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
+        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
     return dims
 
 
