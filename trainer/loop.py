@@ -75,6 +75,9 @@ class Trainer:
 
     @property
     def global_tokens(self) -> int:
+        """The loss's (and gradient's) divisor: every target of the global batch. The loader never masks
+        a target (IGNORE_INDEX); a data path that does must divide by the step's unmasked count instead,
+        or the loss, eval loss and effective learning rate shrink with the masked share."""
         return self.cfg.batch_size * self.mesh.dims.dp * self.cfg.seq_len
 
     def train_step(self, step: int) -> StepMetrics:
