@@ -1,13 +1,15 @@
-"""Export a training checkpoint as a Hugging Face Llama folder: config.json, model.safetensors, tokenizer.model
-and tokenizer_config.json (transformers reads the tokenizer with `sentencepiece` and `protobuf` installed).
+"""Export a training checkpoint as a Hugging Face Llama folder: config.json, the weights (model.safetensors,
+or shards model-0000i-of-0000n.safetensors and model.safetensors.index.json), tokenizer.model and
+tokenizer_config.json (transformers reads the tokenizer with `sentencepiece` and `protobuf` installed).
 
 Evaluation harnesses and inference servers read Hugging Face's layout, not DCP shards. The export runs
 as one plain process (no torchrun, no process group): the manifest is verified locally and DCP loads in
-its single-process mode. Weights map by name (model/hf.py): fused q/k/v and gate/up split into their
-parts, nothing permuted or reshaped.
+its single-process mode, one output shard's parameters at a time, so the process holds about one shard
+(`--max-shard-size`, 5GB by default), not the model. Weights map by name (model/hf.py): fused q/k/v and
+gate/up split into their parts, nothing permuted or reshaped.
 
     python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] [--no-tokenizer]
-                                [--max-position-embeddings N]
+                                [--max-position-embeddings N] [--max-shard-size 5GB]
 """
 
 import sys
@@ -24,16 +26,21 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from model.args import ModelArgs  # noqa: E402
 from model.hf import hf_config, to_hf  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.config import CONFIG_FILE, TrainConfig, from_dict  # noqa: E402
 from trainer.dump_dir import CHECKPOINTS_DIR  # noqa: E402
+from trainer.hf_import import INDEX  # noqa: E402
 from trainer.state import load_full_weights  # noqa: E402
 from trainer.tokenizer import Tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+DEFAULT_SHARD_SIZE = "5GB"
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}  # decimal, as transformers spells them
 
 
 def read_train_config(ckpt: Path) -> TrainConfig:
@@ -45,8 +52,36 @@ def read_train_config(ckpt: Path) -> TrainConfig:
     return from_dict(raw)
 
 
+def parse_size(text: str) -> int:
+    """Bytes of a size such as 5GB, 200KB or 1000000."""
+    number, factor = text, 1
+    for unit, unit_factor in _SIZE_UNITS.items():
+        if text.upper().endswith(unit):
+            number, factor = text[: -len(unit)], unit_factor
+            break
+    if not number.isdigit() or int(number) == 0:
+        raise ConfigError(f"--max-shard-size={text} is not a positive size such as 5GB, 500MB or 200KB")
+    return int(number) * factor
+
+
+def shard_plan(args: ModelArgs, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Our parameter names in model order, grouped into output shards of at most max_bytes in `dtype`
+    (a larger parameter is a shard alone)."""
+    with torch.device("meta"):
+        params = list(Transformer(args).named_parameters())
+    shards, size = [[]], 0
+    for name, param in params:
+        nbytes = param.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
 def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = True,
-           max_positions: int | None = None) -> None:
+           max_positions: int | None = None, max_shard_bytes: int = parse_size(DEFAULT_SHARD_SIZE)) -> None:
     """Verify every file's sha256 first: DCP itself would load flipped bits without a word. The tokenizer
     is exported only where transformers gives training's ids (else an error, or with_tokenizer=False).
     config.json declares max_positions (default: the training seq_len) as the model's context."""
@@ -70,19 +105,35 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
                           f"tokenizer ({difference}); pass "
                           "--no-tokenizer to export the weights and config only")
-    with warnings.catch_warnings():
-        # Single-process loading is the intent here, not an accident DCP should warn about.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        weights = load_full_weights(ckpt, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
     config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id, max_positions)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
-    shutil.copymode(out / "config.json", out / "model.safetensors")
+    write_weights(ckpt, cfg, out, dtype, shard_plan(args, dtype, max_shard_bytes))
     if with_tokenizer:
         write_tokenizer(tokenizer, out)
+
+
+def write_weights(ckpt: Path, cfg: TrainConfig, out: Path, dtype: torch.dtype, shards: list[list[str]]) -> None:
+    """Each output shard from its own load, so only one shard's parameters are in memory at a time;
+    one shard is model.safetensors, several are numbered and listed in the index."""
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map, total = {}, 0
+    for names, file in zip(shards, files):
+        with warnings.catch_warnings():
+            # Single-process loading is the intent here, not an accident DCP should warn about.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            weights = load_full_weights(ckpt, cfg, names)
+        tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, cfg.model_args()).items()}
+        del weights
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.
+        shutil.copymode(out / "config.json", out / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 # Text on which a sentencepiece normalizer other than the identity (sentencepiece's default NFKC, with
@@ -131,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-position-embeddings", type=int, metavar="N",
                         help="the context config.json declares (default: the training seq_len); e.g. that of "
                              "the checkpoint.init_from_hf folder, for a run trained at a shorter seq_len")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, metavar="SIZE",
+                        help="the most bytes of one weights file (and about what the export holds in memory)")
     opts = parser.parse_args(argv)
     try:
         export(opts.checkpoint, opts.out, DTYPES[opts.dtype], with_tokenizer=not opts.no_tokenizer,
-               max_positions=opts.max_position_embeddings)
+               max_positions=opts.max_position_embeddings, max_shard_bytes=parse_size(opts.max_shard_size))
     except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -109,10 +109,13 @@ def _scale_flags_older_checkpoints_lack(state: dict, saved_keys: set[str]) -> li
     return [fp8.pop(name) for name in absent]
 
 
-def load_full_weights(path: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools)."""
+def load_full_weights(path: Path, cfg: TrainConfig, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools):
+    every parameter, or only `names` (DCP then reads only their bytes)."""
     with torch.device("meta"):
         model = Transformer(cfg.model_args(), TPContext(size=1, rank=0))
-    state = {"model": {name: torch.empty(p.shape) for name, p in model.named_parameters()}}
+    params = dict(model.named_parameters())
+    wanted = params if names is None else {name: params[name] for name in names}
+    state = {"model": {name: torch.empty(p.shape) for name, p in wanted.items()}}
     load_checkpoint(path, state, group=None)
     return state["model"]

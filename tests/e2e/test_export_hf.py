@@ -148,3 +148,34 @@ def test_the_declared_context_is_seq_len_unless_given(tmp_path: Path, checkpoint
     assert export_hf.main([str(ckpt), str(tmp_path / "zero"), "--max-position-embeddings", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --max-position-embeddings=0 must be a positive number of positions"
     assert not (tmp_path / "zero").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_export_loads_one_shard_at_a_time_and_gives_the_same_model(tmp_path: Path, checkpoint_of,
+                                                                           monkeypatch) -> None:
+    """--max-shard-size: numbered shards and transformers' index, the same tensors as one file, and no
+    load asks for more than one shard's parameters (a 70B export would otherwise hold the whole model)."""
+    import scripts.export_hf as export_hf
+    import trainer.state
+
+    ckpt = checkpoint_of("single")
+    assert export_hf.main([str(ckpt), str(tmp_path / "whole"), "--no-tokenizer"]) == 0
+    largest = max(p.numel() for p in _our_model(ckpt).parameters())
+    loaded = []
+    load = trainer.state.load_checkpoint
+    monkeypatch.setattr(trainer.state, "load_checkpoint",
+                        lambda path, state, group: (loaded.append(sum(t.numel() for t in state["model"].values())),
+                                                    load(path, state, group)))
+    max_bytes = 200_000
+    assert export_hf.main([str(ckpt), str(tmp_path / "sharded"), "--no-tokenizer", "--max-shard-size", "200KB"]) == 0
+    files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    assert len(loaded) == len(files) and max(loaded) * 4 <= max(max_bytes, largest * 4), loaded
+    whole = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "whole", torch_dtype=torch.float32).state_dict()
+    sharded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "sharded", torch_dtype=torch.float32)
+    for name, tensor in sharded.state_dict().items():
+        assert torch.equal(tensor, whole[name]), name
+    assert export_hf.main([str(ckpt), str(tmp_path / "bad"), "--max-shard-size", "lots"]) == 2
+    assert not (tmp_path / "bad").exists()
