@@ -11,6 +11,10 @@ import numpy as np
 from parallel.errors import ConfigError
 from trainer.shuffle import SHUFFLE_VERSION, RandomPermutation
 
+# Stored with every checkpoint, as the shuffle's version is: a resume refuses a split this version does not
+# make. Version 1 held out the last fraction of seq_len windows; version 2 the last fraction of tokens.
+SPLIT_VERSION = 2
+
 
 class GlobalBatchSampler:
     """Epoch-wise reshuffled global batches of sequence indices; drops each epoch's ragged tail."""
@@ -29,6 +33,7 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle_version = SHUFFLE_VERSION
+        self.split_version = SPLIT_VERSION
         self.steps_per_epoch = num_sequences // global_batch_size
 
     def global_indices(self, step: int) -> np.ndarray:
@@ -58,7 +63,7 @@ class GlobalBatchSampler:
         return {key: getattr(self, key) for key in _RESUME_HINTS}
 
     def check_resumable(self, state: dict[str, int]) -> None:
-        """Refuse a checkpoint written with a different seed, data, global batch size or shuffle."""
+        """Refuse a checkpoint written with a different seed, data, global batch size, shuffle or split."""
         for key, hint in _RESUME_HINTS.items():
             if int(state[key]) != getattr(self, key):
                 raise ConfigError(
@@ -83,15 +88,17 @@ class HeldOutSampler:
         return np.arange(self.windows.start + start, self.windows.start + start + per_rank, dtype=np.int64)
 
 
-def split_windows(num_windows: int, held_out_fraction: float) -> tuple[int, range]:
-    """Training windows [0, n) and the held-out ones: the corpus' last `held_out_fraction` of windows.
-    One window between them is skipped, because consecutive windows share a token: no held-out token
-    is ever a training input or target."""
-    held_out = int(num_windows * held_out_fraction)
-    if held_out == 0:
-        return num_windows, range(num_windows, num_windows)
-    train = num_windows - held_out - 1
-    return train, range(train + 1, num_windows)
+def split_windows(num_tokens: int, seq_len: int, held_out_fraction: float) -> tuple[int, range]:
+    """Training windows [0, n) and the held-out ones, split at a token: the corpus' last
+    int((num_tokens - 1) * held_out_fraction) tokens are held out (num_tokens - 1 tokens are ever a
+    target, so a fraction of 0 trains on every window). The boundary does not depend on seq_len, so a
+    run with another seq_len on the same corpus (a longer context started from this one's weights)
+    never evaluates on a token this one trained on. Window i reads tokens [i*L, i*L + L]: training
+    windows end before the boundary, held-out ones start at or after it, the one across it is skipped."""
+    boundary = num_tokens - int((num_tokens - 1) * held_out_fraction)
+    first_held_out = -(-boundary // seq_len)
+    num_windows = (num_tokens - 1) // seq_len
+    return (boundary - 1) // seq_len, range(first_held_out, max(first_held_out, num_windows))
 
 
 # Which user-facing config key changed when a sampler field no longer matches the checkpoint.
@@ -101,6 +108,8 @@ _RESUME_HINTS = {
     "global_batch_size": "batch_size (or the data-parallel size) changed",
     "shuffle_version": "the trainer version that wrote the checkpoint shuffled the data another way (finish the "
                        "run with that version, or start it over in a new dump_dir)",
+    "split_version": "the trainer version that wrote the checkpoint split off the held-out data another way (finish "
+                     "the run with that version, or start it over in a new dump_dir)",
 }
 
 

@@ -25,6 +25,15 @@ from trainer.optimizer import ADAM_STATE, NamedAdamW
 from trainer.sampler import GlobalBatchSampler
 
 
+# Data-order versions newer than some checkpoints: one written before a version was stored made that
+# version's first kind, which this trainer cannot rebuild.
+_DATA_ORDER_VERSIONS = {
+    "shuffle_version": "shuffled the data another way (shuffle_version 1)",
+    "split_version": "held out the last fraction of seq_len windows, not of tokens (split_version 1), so it "
+                     "trained on another number of sequences",
+}
+
+
 def rng_key(rank: int, layout: ParallelDims, device: torch.device) -> str:
     """RNG streams belong to a rank of one layout on one kind of device (a CUDA generator's state is not
     a CPU one's): another must not inherit them."""
@@ -78,10 +87,11 @@ def load_into(
     if "fp8" in state and not any(k.startswith("fp8.") for k in saved_keys):
         del state["fp8"]  # fp8 switched on at this resume (resume.allow_changed): scaling starts fresh
     missing = [k for k in state["trainer"] if f"trainer.{k}" not in saved_keys]
-    if "shuffle_version" in missing:
-        raise CheckpointError(f"checkpoint {path} was written by a trainer version that shuffled the data another "
-                              "way (shuffle_version 1); resuming would change the data order: finish the run with "
-                              "that version, or start it over in a new dump_dir")
+    for version, what in _DATA_ORDER_VERSIONS.items():
+        if version in missing:
+            raise CheckpointError(f"checkpoint {path} was written by a trainer version that {what}; resuming would "
+                                  "change the data order: finish the run with that version, or start it over in a "
+                                  "new dump_dir")
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks trainer.{missing[0]}: another trainer version wrote it, and "
                               "this one cannot resume it")

@@ -12,6 +12,7 @@ from trainer.checkpoint import (
     prune_checkpoints, refuse_damaged_newer, save_checkpoint, verify_checkpoint,
 )
 from trainer.dcp_io import SafeFileSystemReader
+from trainer.sampler import SPLIT_VERSION
 from trainer.shuffle import SHUFFLE_VERSION
 from trainer.state import load_into
 
@@ -168,15 +169,18 @@ def test_ranks_that_list_another_newest_checkpoint_refuse_to_resume(tmp_path, wo
         resume.newest_checkpoint(tmp_path)
 
 
-def run_state(fp8: dict, shuffle_version: int | None = SHUFFLE_VERSION) -> dict:
-    trainer = {"step": torch.tensor(3)} | ({} if shuffle_version is None else {"shuffle_version": torch.tensor(shuffle_version)})
+def run_state(fp8: dict, shuffle_version: int | None = SHUFFLE_VERSION,
+              split_version: int | None = SPLIT_VERSION) -> dict:
+    versions = {"shuffle_version": shuffle_version, "split_version": split_version}
+    trainer = {"step": torch.tensor(3)} | {k: torch.tensor(v) for k, v in versions.items() if v is not None}
     return {"fp8": fp8, "trainer": trainer, "rng": {"rank0": {"shared": torch.zeros(2)}}}
 
 
 def test_a_checkpoint_of_the_older_shuffle_is_refused(tmp_path, world):
     """Written before the shuffle version was stored: its data order (an argsort per epoch) cannot be
     reproduced, so resuming would silently train on other sequences."""
-    path = save_checkpoint(tmp_path, 3, run_state({}, shuffle_version=None), world, rank=0, extra_files={})
+    old = run_state({}, shuffle_version=None, split_version=None)
+    path = save_checkpoint(tmp_path, 3, old, world, rank=0, extra_files={})
     with pytest.raises(CheckpointError, match="shuffled the data another way .shuffle_version 1.; resuming would "
                                               "change the data order"):
         load_into(path, run_state({}), rng=None, sampler=None, group=world)
@@ -185,6 +189,16 @@ def test_a_checkpoint_of_the_older_shuffle_is_refused(tmp_path, world):
     path = save_checkpoint(tmp_path / "v2", 3, run_state({}), world, rank=0, extra_files={})
     with pytest.raises(CheckpointError, match="lacks trainer.epoch_offset: another trainer version wrote it"):
         load_into(path, newer, rng=None, sampler=None, group=world)
+
+
+def test_a_checkpoint_of_the_older_held_out_split_is_refused(tmp_path, world):
+    """Written before the split was counted in tokens: it trained on another number of windows, which the
+    sampler's num_sequences check would blame on data.source, seq_len or data.held_out_fraction."""
+    path = save_checkpoint(tmp_path, 3, run_state({}, split_version=None), world, rank=0, extra_files={})
+    with pytest.raises(CheckpointError, match=r"held out the last fraction of seq_len windows, not of tokens "
+                                              r"\(split_version 1\).*resuming would change the data order: finish the "
+                                              r"run with that version, or start it over in a new dump_dir"):
+        load_into(path, run_state({}), rng=None, sampler=None, group=world)
 
 
 def test_fp8_state_of_the_other_implementation_is_one_clear_error(tmp_path, world):

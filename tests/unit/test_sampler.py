@@ -43,7 +43,7 @@ def test_a_sampler_accepts_its_own_state_after_a_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("field", "match"),
     [("seed", "seed"), ("num_sequences", "data.source, seq_len or data.held_out_fraction"), ("global_batch_size", "batch_size"),
-     ("shuffle_version", "shuffled the data another way")],
+     ("shuffle_version", "shuffled the data another way"), ("split_version", "split off the held-out data another way")],
 )
 def test_sampler_refuses_changed_state(field: str, match: str) -> None:
     state = GlobalBatchSampler(num_sequences=40, global_batch_size=4, seed=1).state_dict()
@@ -59,15 +59,14 @@ def test_sampler_errors_name_batch_size() -> None:
         GlobalBatchSampler(num_sequences=40, global_batch_size=6, seed=0).rank_indices(0, 0, 4)
 
 
-@pytest.mark.parametrize("num_windows, fraction", [(1000, 0.01), (57, 0.1), (40, 0.0)])
-def test_held_out_split_is_disjoint_from_training_and_layout_independent(num_windows, fraction):
-    seq_len = 16
-    train, held_out = split_windows(num_windows, fraction)
-    assert len(held_out) == int(num_windows * fraction)
+@pytest.mark.parametrize("num_tokens, seq_len, fraction", [(16001, 16, 0.01), (913, 16, 0.1), (641, 16, 0.0)])
+def test_held_out_split_is_disjoint_from_training_and_layout_independent(num_tokens, seq_len, fraction):
+    train, held_out = split_windows(num_tokens, seq_len, fraction)
     # Window i reads tokens [i*L, i*L + L]: no held-out token is a training input or target.
     train_tokens = set(range(0, train * seq_len + 1))
     held_out_tokens = {t for w in held_out for t in range(w * seq_len, w * seq_len + seq_len + 1)}
     assert not train_tokens & held_out_tokens
+    assert max(held_out_tokens, default=0) < num_tokens
     sampler = GlobalBatchSampler(train, global_batch_size=4, seed=0)
     assert max(max(sampler.global_indices(s)) for s in range(3 * sampler.steps_per_epoch)) < train
     if not held_out:
@@ -79,3 +78,26 @@ def test_held_out_split_is_disjoint_from_training_and_layout_independent(num_win
         assert all(w in held_out for w in whole)
     with pytest.raises(IndexError, match="outside"):
         evals.rank_indices(evals.num_batches, 0, 1)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.1])
+def test_no_run_evaluates_on_a_token_another_seq_len_trained_on(fraction: float) -> None:
+    """Run B (say a longer context started from run A's weights) on the same corpus and fraction: the
+    last token any of A's training windows reads comes before the first of any of B's held-out windows."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        num_tokens = int(rng.integers(2_000_000, 50_000_000))  # 1% of it holds two 8192-token windows
+        seq_len_a, seq_len_b = (int(n) for n in rng.integers(128, 8193, size=2))
+        train_a, _ = split_windows(num_tokens, seq_len_a, fraction)
+        _, held_out_b = split_windows(num_tokens, seq_len_b, fraction)
+        assert train_a * seq_len_a < held_out_b.start * seq_len_b, (num_tokens, seq_len_a, seq_len_b)
+        # B's held-out windows lie inside the corpus and hold its fraction of tokens, less two windows at most.
+        assert held_out_b.stop * seq_len_b < num_tokens
+        held_out_tokens = len(held_out_b) * seq_len_b
+        assert (num_tokens - 1) * fraction - 2 * seq_len_b < held_out_tokens < (num_tokens - 1) * fraction
+
+
+def test_without_a_held_out_fraction_every_window_trains() -> None:
+    for num_tokens, seq_len in [(129, 128), (1000, 7), (12345, 128)]:
+        train, held_out = split_windows(num_tokens, seq_len, 0.0)
+        assert train == (num_tokens - 1) // seq_len and len(held_out) == 0
