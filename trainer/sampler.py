@@ -19,14 +19,13 @@ SPLIT_VERSION = 2
 class GlobalBatchSampler:
     """Epoch-wise reshuffled global batches of sequence indices; drops each epoch's ragged tail."""
 
-    def __init__(self, num_sequences: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, num_sequences: int, global_batch_size: int, seed: int, held_out_fraction: float = 0.0) -> None:
+        """`held_out_fraction`: what data.held_out_fraction took from the data, named when too little is left."""
         if global_batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1 (global batch size is {global_batch_size})")
         if global_batch_size > num_sequences:
-            raise ConfigError(
-                f"batch_size: global batch of {global_batch_size} sequences exceeds the "
-                f"{num_sequences} sequences in the data (lower batch_size or seq_len, or add data)"
-            )
+            raise ConfigError(f"batch_size: global batch of {global_batch_size} sequences exceeds the "
+                              + _too_few_sequences(num_sequences, held_out_fraction))
         if seed < 0:
             raise ConfigError(f"seed={seed} must be >= 0")
         self.num_sequences = num_sequences
@@ -111,6 +110,13 @@ _RESUME_HINTS = {
     "split_version": "the trainer version that wrote the checkpoint split off the held-out data another way (finish "
                      "the run with that version, or start it over in a new dump_dir)",
 }
+
+
+def _too_few_sequences(num_sequences: int, held_out_fraction: float) -> str:
+    if held_out_fraction > 0:
+        return (f"{num_sequences} sequences data.held_out_fraction={held_out_fraction:g} leaves for training (lower "
+                "batch_size, seq_len or data.held_out_fraction, or add data)")
+    return f"{num_sequences} sequences in the data (lower batch_size or seq_len, or add data)"
 
 
 def per_rank_batch_size(global_batch_size: int, dp_size: int) -> int:

@@ -53,10 +53,18 @@ def test_sampler_refuses_changed_state(field: str, match: str) -> None:
 
 
 def test_sampler_errors_name_batch_size() -> None:
-    with pytest.raises(ConfigError, match="batch_size"):
+    with pytest.raises(ConfigError, match=r"^batch_size: .* exceeds the 4 sequences in the data \(lower batch_size or "
+                                          r"seq_len, or add data\)$"):
         GlobalBatchSampler(num_sequences=4, global_batch_size=8, seed=0)
     with pytest.raises(ConfigError, match="batch_size"):
         GlobalBatchSampler(num_sequences=40, global_batch_size=6, seed=0).rank_indices(0, 0, 4)
+
+
+def test_too_few_training_sequences_names_the_held_out_fraction_that_took_them() -> None:
+    with pytest.raises(ConfigError, match=r"^batch_size: global batch of 8 sequences exceeds the 6 sequences "
+                                          r"data.held_out_fraction=0.2 leaves for training \(lower batch_size, seq_len "
+                                          r"or data.held_out_fraction, or add data\)$"):
+        GlobalBatchSampler(num_sequences=6, global_batch_size=8, seed=0, held_out_fraction=0.2)
 
 
 @pytest.mark.parametrize("num_tokens, seq_len, fraction", [(16001, 16, 0.01), (913, 16, 0.1), (641, 16, 0.0)])
