@@ -216,6 +216,7 @@ def _build_data(
     dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp
     train_windows, held_out = split_windows(tokens.num_tokens, cfg.seq_len, cfg.data.held_out_fraction)
     sampler = GlobalBatchSampler(train_windows, global_batch, cfg.seed, cfg.data.held_out_fraction)
+    log(sampler.epochs_line(cfg.steps))
     loader = BatchLoader(tokens, sampler, cfg.seq_len, mesh.dp_rank, dp, cfg.microbatch_size, tokenizer.bos_id)
     if not cfg.eval.freq:
         return tokenizer, loader, None

@@ -35,6 +35,16 @@ class GlobalBatchSampler:
         self.split_version = SPLIT_VERSION
         self.steps_per_epoch = num_sequences // global_batch_size
 
+    def epochs_line(self, steps: int) -> str:
+        """The startup line saying how `steps` covers the data: training past one epoch repeats sequences,
+        which no loss curve shows until the model memorizes them."""
+        line = f"data: {self.num_sequences} training sequences, {self.steps_per_epoch} steps per epoch"
+        if steps <= self.steps_per_epoch:
+            return line
+        line += f"; steps={steps} is {steps / self.steps_per_epoch:.2f} epochs: sequences repeat"
+        dropped = self.num_sequences % self.global_batch_size
+        return line + (f" (each epoch drops the last {dropped} sequences of its shuffled order)" if dropped else "")
+
     def global_indices(self, step: int) -> np.ndarray:
         """Sequence indices of optimizer step `step` (0-based), in global-batch order."""
         return self._read(step, 0, self.global_batch_size)
