@@ -4,10 +4,8 @@ import errno
 import hashlib
 import json
 import os
-import random
 import shutil
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -26,33 +24,10 @@ from trainer.tokenizer import Tokenizer, iter_documents, train_tokenizer
 
 VOCAB = 320
 SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
-WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y"]
 
 
 def _source_files(source: str) -> list[Path]:
     return list_source(source)[0]
-
-
-def _write_corpus(folder: Path) -> Path:
-    """A tiny deterministic corpus in every supported format, plus a file that must be ignored."""
-    rng = random.Random(0)
-
-    def text(lines: int) -> str:
-        return "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(lines)) + "\n"
-
-    (folder / "sub").mkdir(parents=True)
-    (folder / "a.txt").write_text(text(60))
-    (folder / "sub" / "b.py").write_text("def f(x):\n    return x + 1\n" + text(40))
-    (folder / "c.md").write_text("# Title\n\n" + text(30))
-    docs = [{"text": text(5)}, {"text": "short doc"}, {"text": text(3)}]
-    (folder / "d.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    (folder / "ignored.bin").write_bytes(b"\x00\x01")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _pack(files: list[Path], tokenizer: Tokenizer, out: Path, progress=lambda line: None) -> Path:
@@ -377,52 +352,6 @@ def test_a_cache_dir_that_cannot_hold_the_cache_is_one_line(corpus: Path, tmp_pa
     for cache_dir in (blocker, blocker / "below"):
         with pytest.raises(ConfigError, match=rf"data.cache_dir={cache_dir} is not a writable folder: .*builds the cache"):
             prepare_dataset(str(corpus), None, VOCAB, cache_dir, True, print)
-
-
-def test_waiting_rank_gets_main_rank_result(corpus: Path, tmp_path: Path) -> None:
-    waiter_logs: list[str] = []
-    waiter = _start_waiter(str(corpus), tmp_path, waiter_logs)
-    _, main_tokens = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lambda line: None)
-    waiter.join(timeout=30)
-    assert waiter.result[1].path == main_tokens.path
-    assert waiter_logs == []
-
-
-def test_waiting_rank_fails_with_main_rank_error_or_timeout(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("oops\n")
-    waiter = _start_waiter(str(bad), tmp_path / "cache", [])
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:1 is not valid JSON"):
-        prepare_dataset(str(bad), None, VOCAB, tmp_path / "cache", True, lambda line: None)
-    waiter.join(timeout=30)
-    assert isinstance(waiter.error, ConfigError)
-    assert "failed on the main rank: " in str(waiter.error) and "bad.jsonl:1" in str(waiter.error)
-    bad.write_text('{"text": "valid, but no main rank builds it"}\n')
-    with pytest.raises(TimeoutError, match="did not finish"):
-        prepare_dataset(str(bad), None, VOCAB, tmp_path / "cache", False, print, timeout_s=0.2)
-
-
-class _Waiter(threading.Thread):
-    """A non-main rank, simulated by a thread sharing the cache folder."""
-
-    def __init__(self, source: str, cache: Path, logs: list[str]) -> None:
-        super().__init__(daemon=True)
-        self.source, self.cache, self.logs = source, cache, logs
-        self.result: tuple | None = None
-        self.error: Exception | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = prepare_dataset(self.source, None, VOCAB, self.cache, False, self.logs.append)
-        except Exception as exc:  # inspected by the test
-            self.error = exc
-
-
-def _start_waiter(source: str, cache: Path, logs: list[str]) -> _Waiter:
-    waiter = _Waiter(source, cache, logs)
-    waiter.start()
-    time.sleep(0.1)  # let it start polling before the main rank begins
-    return waiter
 
 
 def test_default_corpus_end_to_end() -> None:
