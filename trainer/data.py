@@ -2,8 +2,10 @@
 
 Preparation (tokenizer training, tokenizing) runs once, on the main rank, into a cache keyed by the
 inputs; other ranks wait for it by polling the filesystem rather than in a collective, so a long first
-preparation can never trip a collective timeout. With no `data.source` the trainer uses the Python
-standard library's own source: real text that is on every machine, with no download.
+preparation can never trip a collective timeout, and for as long as the main rank's heartbeat file
+shows it is still at work (trainer/heartbeat.py), so it never trips a fixed deadline either. With no
+`data.source` the trainer uses the Python standard library's own source: real text that is on every
+machine, with no download.
 """
 
 import hashlib
@@ -21,6 +23,7 @@ import torch
 
 from parallel.errors import ConfigError
 from trainer.dump_dir import write_problem
+from trainer.heartbeat import Heartbeat, ProgressWatch
 from trainer.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.token_shards import (
     SOURCE_CHANGED,
@@ -143,6 +146,7 @@ class _CachePaths:
         self.tokenizer = Path(cache_dir) / f"tokenizer-{key}" / "spm.model"
         self.tokens = Path(cache_dir) / f"tokens-{key}"
         self.error = Path(cache_dir) / f"error-{key}.json"
+        self.progress = Path(cache_dir) / f"progress-{key}"  # the main rank's heartbeat while it builds
 
     def complete(self, tokenizer_given: bool) -> bool:
         return is_complete(self.tokens) and (tokenizer_given or self.tokenizer.is_file())
@@ -187,7 +191,8 @@ def prepare_dataset(
     Every rank validates the source and a given tokenizer first, so bad input fails on all ranks at
     once; `agree(cache key)` then raises on every rank unless all ranks computed the same key (a rank
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
-    (silently) for the main rank's cache or its error marker.
+    (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
+    main rank's heartbeat did not change.
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
@@ -213,7 +218,8 @@ def prepare_dataset(
             link, kept = next(iter(links.items()))
             log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
                 f"e.g. {link} (read as {kept})")
-        _build_or_mark_error(files, sources, vocab_size, given, paths, log)
+        with Heartbeat(paths.progress, timeout_s):
+            _build_or_mark_error(files, sources, vocab_size, given, paths, log)
     else:
         _wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or Tokenizer(paths.tokenizer)
@@ -273,16 +279,17 @@ def _write_error_marker(marker: Path, exc: Exception) -> None:
 
 
 def _wait_for_main_rank(paths: _CachePaths, tokenizer_given: bool, timeout_s: float) -> None:
-    start_wall, deadline = time.time(), time.monotonic() + timeout_s
+    start_wall, progress = time.time(), ProgressWatch(paths.progress, timeout_s)
     interval = 0.05
     while not paths.complete(tokenizer_given):
         _raise_if_main_rank_failed(paths.error, start_wall)
-        if time.monotonic() > deadline:
+        if progress.expired():
             raise TimeoutError(
-                f"data: the main rank did not finish {paths.tokens} within data.prepare_timeout_s={timeout_s:g} s "
-                "(is the cache folder shared by all ranks? a first tokenization of a large corpus may need more)"
+                f"data: the main rank did not finish {paths.tokens}, nor show that it was still preparing it, within "
+                f"data.prepare_timeout_s={timeout_s:g} s (is the cache folder shared by all ranks? did rank 0 stop?)"
             )
-        time.sleep(interval)
+        # At least two looks per timeout: a change seen across a longer gap could hide a quiet spell in it.
+        time.sleep(min(interval, timeout_s / 2))
         interval = min(interval * 1.5, 2.0)
 
 

@@ -1,6 +1,8 @@
 """How the ranks share one data preparation: the main rank builds the cache, the others wait for it or
 for its error."""
 
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -8,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from parallel.errors import ConfigError
+from trainer import data
 from trainer.data import prepare_dataset
+from trainer.heartbeat import Heartbeat
 
 VOCAB = 320
 
@@ -36,24 +40,74 @@ def test_waiting_rank_fails_with_main_rank_error_or_timeout(tmp_path: Path) -> N
         prepare_dataset(str(bad), None, VOCAB, tmp_path / "cache", False, print, timeout_s=0.2)
 
 
+def test_a_waiting_rank_waits_past_the_timeout_while_the_main_rank_beats(corpus: Path, tmp_path: Path) -> None:
+    """A first preparation longer than data.prepare_timeout_s: the waiter gives up only after a timeout
+    without a heartbeat, so a slow main rank is never abandoned (torchrun would then kill it)."""
+    _, built = prepare_dataset(str(corpus), None, VOCAB, tmp_path / "elsewhere", True, lambda line: None)
+    key = built.path.name.removeprefix("tokens-")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    waiter = _start_waiter(str(corpus), cache, [], timeout_s=1)
+    with Heartbeat(data._CachePaths(cache, key).progress, timeout_s=0.8) as heartbeat:  # a fake main rank
+        assert heartbeat.interval_s == pytest.approx(0.2)
+        time.sleep(3)
+        _publish_copy(built.path.parent, cache, key)
+    waiter.join(timeout=30)
+    assert waiter.error is None and waiter.result[1].path == cache / built.path.name
+
+
+def test_the_main_rank_beats_while_it_builds_and_clears_the_heartbeat_after(corpus: Path, tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    build = data._build
+
+    def slow_build(*args) -> None:
+        time.sleep(2)  # longer than the waiter's timeout
+        build(*args)
+
+    monkeypatch.setattr(data, "_build", slow_build)
+    waiter = _start_waiter(str(corpus), tmp_path, [], timeout_s=0.5)
+    _, tokens = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lambda line: None, timeout_s=0.5)
+    waiter.join(timeout=30)
+    assert waiter.error is None and waiter.result[1].path == tokens.path
+    assert not list(tmp_path.glob("progress-*"))
+
+
+def test_a_heartbeat_left_by_a_killed_main_rank_does_not_hold_the_waiter(corpus: Path, tmp_path: Path) -> None:
+    _, built = prepare_dataset(str(corpus), None, VOCAB, tmp_path / "elsewhere", True, lambda line: None)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"progress-{built.path.name.removeprefix('tokens-')}").write_text("12345 7\n")
+    with pytest.raises(TimeoutError, match=r"did not finish .*, nor show that it was still preparing it, within "
+                                           r"data.prepare_timeout_s=0.3 s"):
+        prepare_dataset(str(corpus), None, VOCAB, cache, False, print, timeout_s=0.3)
+
+
+def _publish_copy(built: Path, cache: Path, key: str) -> None:
+    """What a main rank publishes: the tokenizer, then the packed tokens renamed into place whole."""
+    shutil.copytree(built / f"tokenizer-{key}", cache / f"tokenizer-{key}")
+    shutil.copytree(built / f"tokens-{key}", cache / f".tokens-{key}.tmp")
+    os.replace(cache / f".tokens-{key}.tmp", cache / f"tokens-{key}")
+
+
 class _Waiter(threading.Thread):
     """A non-main rank, simulated by a thread sharing the cache folder."""
 
-    def __init__(self, source: str, cache: Path, logs: list[str]) -> None:
+    def __init__(self, source: str, cache: Path, logs: list[str], timeout_s: float) -> None:
         super().__init__(daemon=True)
-        self.source, self.cache, self.logs = source, cache, logs
+        self.source, self.cache, self.logs, self.timeout_s = source, cache, logs, timeout_s
         self.result: tuple | None = None
         self.error: Exception | None = None
 
     def run(self) -> None:
         try:
-            self.result = prepare_dataset(self.source, None, VOCAB, self.cache, False, self.logs.append)
+            self.result = prepare_dataset(self.source, None, VOCAB, self.cache, False, self.logs.append,
+                                          timeout_s=self.timeout_s)
         except Exception as exc:  # inspected by the test
             self.error = exc
 
 
-def _start_waiter(source: str, cache: Path, logs: list[str]) -> _Waiter:
-    waiter = _Waiter(source, cache, logs)
+def _start_waiter(source: str, cache: Path, logs: list[str], timeout_s: float = 3600) -> _Waiter:
+    waiter = _Waiter(source, cache, logs, timeout_s)
     waiter.start()
     time.sleep(0.1)  # let it start polling before the main rank begins
     return waiter
