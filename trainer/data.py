@@ -267,8 +267,16 @@ def _build(
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
         tokenizer = Tokenizer(paths.tokenizer)
     start = time.monotonic()
-    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, sources=sources)
+    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a job's cgroup or taskset may grant fewer than the
+    machine has); every core where the platform has no affinity (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _write_error_marker(marker: Path, exc: Exception) -> None:

@@ -23,6 +23,10 @@ BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 MIN_VOCAB_SIZE = 256 + 3 + 1
 # Caps tokenizer training input: enough text for a good BPE, small enough for seconds on 2 cores.
 MAX_TRAINING_LINES = 300_000
+# Fixed, not the cores at hand: sentencepiece records num_threads in the model it writes, and the model's
+# bytes (its sha256 is checked against the packed tokens and the run fingerprint) must not depend on the
+# machine. More threads would gain little: they only normalize the lines, BPE merges run on one.
+TRAINING_THREADS = 2
 
 
 class Tokenizer:
@@ -210,7 +214,7 @@ def check_trainable_vocab_size(vocab_size: int) -> None:
                           f"data.source has 256 byte pieces and the special ones)")
 
 
-def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, num_threads: int = 2) -> Path:
+def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path) -> Path:
     """Trains a byte-fallback BPE model on `text_files` and writes it atomically to `model_path`."""
     check_trainable_vocab_size(vocab_size)
     lines = _TrainingLines(text_files, MAX_TRAINING_LINES)
@@ -222,7 +226,7 @@ def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, n
             sentence_iterator=iter(lines),
             model_writer=model,
             vocab_size=vocab_size,
-            num_threads=num_threads,
+            num_threads=TRAINING_THREADS,
             **_TRAINER_SETTINGS,
         )
     except RuntimeError as exc:

@@ -13,6 +13,7 @@ from parallel.errors import ConfigError
 from trainer import data
 from trainer.data import prepare_dataset
 from trainer.heartbeat import Heartbeat
+from trainer.tokenizer import Tokenizer
 
 VOCAB = 320
 
@@ -80,6 +81,26 @@ def test_a_heartbeat_left_by_a_killed_main_rank_does_not_hold_the_waiter(corpus:
     with pytest.raises(TimeoutError, match=r"did not finish .*, nor show that it was still preparing it, within "
                                            r"data.prepare_timeout_s=0.3 s"):
         prepare_dataset(str(corpus), None, VOCAB, cache, False, print, timeout_s=0.3)
+
+
+def test_packing_uses_the_cores_this_process_may_use_and_the_tokenizer_does_not_depend_on_them(
+        corpus: Path, tmp_path: Path, monkeypatch) -> None:
+    """sentencepiece records its thread count in the model: trained on the cores at hand, the same
+    corpus would give another tokenizer (sha256) on another machine."""
+    encode_threads: set[int] = set()
+    encode_batch = Tokenizer.encode_batch
+
+    def spy(self, texts, num_threads):
+        encode_threads.add(num_threads)
+        return encode_batch(self, texts, num_threads)
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", spy)
+    models = []
+    for cores in (5, 1):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
+        tokenizer, _ = prepare_dataset(str(corpus), None, VOCAB, tmp_path / str(cores), True, lambda line: None)
+        models.append(tokenizer.model_bytes)
+    assert encode_threads == {5, 1} and models[0] == models[1]
 
 
 def _publish_copy(built: Path, cache: Path, key: str) -> None:
