@@ -29,6 +29,7 @@ from trainer.token_shards import (
     SOURCE_CHANGED,
     PackedTokens,
     is_complete,
+    remove_killed_writes,
     sources_fingerprint,
     write_packed_tokens,
 )
@@ -255,6 +256,7 @@ def _build(
     log: Callable[[str], None],
 ) -> None:
     log(f"data: preparing {len(files)} files into {paths.tokens}")
+    remove_killed_writes(paths.tokens, log)  # first: a killed write can be as large as the tokens
     tokenizer = given
     if tokenizer is None:
         if not paths.tokenizer.is_file():

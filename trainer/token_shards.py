@@ -3,14 +3,14 @@
 Tokenizing a corpus is slow and training reads random fixed-length windows of it, so the corpus is
 tokenized once into a flat array that every rank memory-maps (no copies, no per-rank RAM). The folder
 is written under a temporary name and renamed into place, so a folder with `meta.json` under the
-final name is always complete: a killed writer leaves only a temp folder that nothing reads.
+final name is always complete: a killed writer leaves only a temp folder that nothing reads, which the
+next build of the same folder removes (temp_dirs.py).
 """
 
 import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import BinaryIO
 import numpy as np
 
 from parallel.errors import ConfigError
+from trainer.temp_dirs import WRITER_FILE, make_writer_temp_dir, remove_stale_temp_dirs
 from trainer.tokenizer import Tokenizer, iter_documents
 
 TOKENS_FILE = "tokens.bin"
@@ -158,12 +159,13 @@ def write_packed_tokens(
     since (written to during tokenizer training or packing) are refused rather than published."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    tmp_dir = make_writer_temp_dir(out_dir.parent, _temp_prefix(out_dir))
     try:
         meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads)
         if meta["sources_fingerprint"] != sources:
             raise ConfigError(SOURCE_CHANGED)
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp_dir / WRITER_FILE).unlink()  # published, the folder holds the tokens and their meta.json only
         # mkdtemp makes the folder private; other users sharing the cache must be able to read it.
         os.chmod(tmp_dir, 0o755)
         _publish(tmp_dir, out_dir)
@@ -171,6 +173,16 @@ def write_packed_tokens(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return out_dir
+
+
+def remove_killed_writes(out_dir: Path, log: Callable[[str], None]) -> None:
+    """Removes the temporary folders of `out_dir` whose writer is gone (killed while packing)."""
+    for folder in remove_stale_temp_dirs(Path(out_dir).parent, _temp_prefix(Path(out_dir))):
+        log(f"data: removed {folder}, left by a writer that was killed while packing")
+
+
+def _temp_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.tmp"
 
 
 def _write_tokens(

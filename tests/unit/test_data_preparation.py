@@ -1,8 +1,12 @@
 """How the ranks share one data preparation: the main rank builds the cache, the others wait for it or
 for its error."""
 
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,9 +17,11 @@ from parallel.errors import ConfigError
 from trainer import data
 from trainer.data import prepare_dataset
 from trainer.heartbeat import Heartbeat
+from trainer.temp_dirs import WRITER_FILE, make_writer_temp_dir
 from trainer.tokenizer import Tokenizer
 
 VOCAB = 320
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_waiting_rank_gets_main_rank_result(corpus: Path, tmp_path: Path) -> None:
@@ -101,6 +107,43 @@ def test_packing_uses_the_cores_this_process_may_use_and_the_tokenizer_does_not_
         tokenizer, _ = prepare_dataset(str(corpus), None, VOCAB, tmp_path / str(cores), True, lambda line: None)
         models.append(tokenizer.model_bytes)
     assert encode_threads == {5, 1} and models[0] == models[1]
+
+
+def test_temp_folders_of_killed_writers_are_removed_before_building_and_live_ones_kept(corpus: Path,
+                                                                                        tmp_path: Path) -> None:
+    _, built = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lambda line: None)
+    shutil.rmtree(built.path)  # so the next start packs the tokens again
+    prefix = f".{built.path.name}.tmp"
+    killed = _temp_dir_of_a_killed_writer(tmp_path, prefix)
+    live = make_writer_temp_dir(tmp_path, prefix)  # this process'
+    elsewhere, long_quiet_elsewhere = (_temp_dir_written_on_another_host(tmp_path, prefix) for _ in range(2))
+    two_days_ago = time.time() - 2 * 24 * 3600
+    for path in (*long_quiet_elsewhere.iterdir(), long_quiet_elsewhere):
+        os.utime(path, (two_days_ago, two_days_ago))
+    unrecorded = tmp_path / f"{prefix}by_an_older_version"
+    unrecorded.mkdir()
+    lines: list[str] = []
+    prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
+    assert not killed.exists() and not long_quiet_elsewhere.exists()
+    assert live.exists() and elsewhere.exists() and unrecorded.exists()
+    assert f"data: removed {killed}, left by a writer that was killed while packing" in lines
+    assert not (built.path / WRITER_FILE).exists()  # the published folder is the tokens and meta.json only
+
+
+def _temp_dir_of_a_killed_writer(parent: Path, prefix: str) -> Path:
+    code = ("import os, signal, sys; from trainer.temp_dirs import make_writer_temp_dir; "
+            "print(make_writer_temp_dir(sys.argv[1], sys.argv[2]), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(parent), prefix], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    folder = Path(proc.stdout.strip())
+    (folder / "tokens.bin").write_bytes(b"\0" * 1024)
+    return folder
+
+
+def _temp_dir_written_on_another_host(parent: Path, prefix: str) -> Path:
+    folder = make_writer_temp_dir(parent, prefix)
+    (folder / WRITER_FILE).write_text(json.dumps({"host": "another-node", "pid": 1}))
+    return folder
 
 
 def _publish_copy(built: Path, cache: Path, key: str) -> None:
