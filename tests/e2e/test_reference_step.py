@@ -36,7 +36,7 @@ def reference_run(cfg, global_batch: int):
     """Per step (loss, grad norm before clipping, lr), and the final weights."""
     tokenizer, tokens = prepare_dataset(cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size, DATA_CACHE,
                                         True, lambda line: None)
-    windows, _ = split_windows(tokens.num_sequences(cfg.seq_len), cfg.data.held_out_fraction)
+    windows, _ = split_windows(tokens.num_tokens, cfg.seq_len, cfg.data.held_out_fraction)
     loader = BatchLoader(tokens, GlobalBatchSampler(windows, global_batch, cfg.seed), cfg.seq_len, 0, 1,
                          global_batch, tokenizer.bos_id)
     args = cfg.model_args()
