@@ -141,8 +141,9 @@ def dtensor_plan(sp: bool) -> dict[str, Any]:
     """torchtitan's llama block plan; without SP the activations between regions are replicated."""
     between = Shard(1) if sp else Replicate()
     plan: dict[str, Any] = {
-        "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        # One layout per positional input of Attention.forward: x, cos, sin, documents.
+        "attention": PrepareModuleInput(input_layouts=(between, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
         # Attention views q/k/v as [batch, seq, local heads, head_dim]: plain local outputs (the default).
         "attention.wqkv": ColwiseParallel(use_local_output=True),
         "attention.wo": RowwiseParallel(output_layouts=between),

@@ -1,7 +1,9 @@
-"""The benchmark scripts stay runnable: every one imports, and the cross-implementation step benchmark
-still builds its pair (a renamed helper once broke it silently, as nothing ran it)."""
+"""The benchmark scripts stay runnable: every one imports, and the cross-implementation step and TP
+benchmarks still build their pairs (a renamed helper, and later a new attention input the DTensor plan
+did not list, once broke them silently, as nothing ran them)."""
 
 import importlib
+import re
 
 import pytest
 
@@ -20,6 +22,17 @@ def test_step_bench_runs_ours_against_hf_to_the_same_loss() -> None:
     loss_ours, loss_hf = result["losses"]
     assert abs(loss_ours - loss_hf) <= 1e-6 * abs(loss_hf)
     assert "agree within" in step.require_agreement("losses", abs(loss_ours - loss_hf) / abs(loss_hf), rtol=1e-6)
+
+
+def test_tp_bench_runs_ours_and_dtensor_against_tp1_on_two_ranks(capsys) -> None:
+    tp = importlib.import_module("scripts.bench.tp")
+    tp.main(["--quick", "--model", "tiny", "--tp", "2", "--seq", "32", "--batch", "1"])
+    out = capsys.readouterr().out
+    against_tp1 = out.split("against the TP=1 block")[1]
+    # | tp | SP | output ours | output DTensor | input grad ours | input grad DTensor |, with and without SP
+    rows = [line.split("|")[3:7] for line in against_tp1.splitlines() if re.match(r"\| 2 \| (True|False) \|", line)]
+    assert len(rows) == 2 and all(float(diff) <= 1e-5 for row in rows for diff in row), out
+    assert "agree within" in out.splitlines()[-1], out
 
 
 def test_a_disagreement_exits_with_one_error_line() -> None:
