@@ -8,7 +8,7 @@ rank follows its live tensor bytes by category and writes the breakdown at the p
 
     parameters       FSDP's fp32 shards, plus unsharded (gathered) parameters while they exist
     gradients        fp32 gradient shards and unsharded accumulators
-    optimizer_state  Adam's moments
+    optimizer_state  Adam's moments, from the first update on (before it they do not exist)
     activations      tensors autograd saved for backward (by storage, parameters excluded)
 
 Activations are followed with saved-tensor hooks; the total is sampled whenever autograd saves or
@@ -89,7 +89,7 @@ class LiveBytes:
         now = {
             "parameters": sum(unit.memory_bytes()["parameters"] for unit in units),
             "gradients": sum(unit.memory_bytes()["gradients"] for unit in units),
-            "optimizer_state": sum(_nbytes(t) for state in self.optimizer.state().values()
+            "optimizer_state": sum(_nbytes(t) for state in self.optimizer.allocated_state().values()
                                    for t in state.values() if t.dim() > 0),
             "activations": self.activations,
         }

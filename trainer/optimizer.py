@@ -57,6 +57,11 @@ class NamedAdamW:
         """How many updates this optimizer has made (all parameters step together)."""
         return max((int(slot["step"]) for slot in self._state.values()), default=0)
 
+    def allocated_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state that exists so far (none before the first step or load); allocates nothing, so an
+        observer (the memory breakdown) does not change what it measures."""
+        return self._state
+
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{name: {step, exp_avg, exp_avg_sq}}; zero-filled before the first step (for loading into)."""
         for name, p in zip(self.names, self.params):
