@@ -51,11 +51,8 @@ def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
             if number < lines[-1][0] or text.endswith("\n"):
                 raise UnreadableMetrics(f"{path} line {number} is not a JSON record: {e}") from None
             notes.append(f"{path}: its last line is partial (a run still writing, or killed mid-line): left out")
-    for record in records:  # the trainer writes a NaN or Inf as null and names which in `nonfinite`
-        kinds = record.get("nonfinite") if isinstance(record, dict) else None
-        for key, kind in (kinds.items() if isinstance(kinds, dict) else ()):
-            if record.get(key) is None and kind in ("nan", "inf", "-inf"):
-                record[key] = float(kind)
+    for record in records:
+        _restore_nonfinite(record)
     try:
         by_step = {int(r["step"]): r for r in records}
     except (KeyError, TypeError, ValueError) as e:
@@ -65,6 +62,22 @@ def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
     if len(by_step) != len(records):
         raise UnreadableMetrics(f"{path} logs some step twice (a resumed run moves the steps it redoes away)")
     return by_step
+
+
+def _restore_nonfinite(record: object) -> None:
+    """The trainer writes a NaN or Inf as null and names which in `nonfinite`: by field ("grad_norm"), or
+    by field and key inside a per-unit field ("unit_grad_norms.layers.0"; field names hold no dot)."""
+    kinds = record.get("nonfinite") if isinstance(record, dict) else None
+    for key, kind in (kinds.items() if isinstance(kinds, dict) else ()):
+        if kind not in ("nan", "inf", "-inf"):
+            continue
+        if record.get(key, ABSENT) is None:
+            record[key] = float(kind)
+            continue
+        field, _, unit = key.partition(".")
+        values = record.get(field)
+        if isinstance(values, dict) and values.get(unit, ABSENT) is None:
+            values[unit] = float(kind)
 
 
 def config_notes(dump_a: Path, dump_b: Path, a: dict[int, dict], b: dict[int, dict]) -> list[str]:

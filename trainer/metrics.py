@@ -66,14 +66,25 @@ class StepMetrics:
 
     def record(self) -> dict:
         """The JSON record: a NaN or Inf number becomes null (JSON has none) and `nonfinite` names which
-        (so that a NaN and an Inf do not compare equal); optional fields only when set."""
-        record = {k: _json_value(v) for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
-        kinds = {k: repr(v) for k, v in self.__dict__.items() if k in record and isinstance(v, float)
-                 and not math.isfinite(v)}
-        return record | ({"nonfinite": kinds} if kinds else {})
+        (so that a NaN and an Inf do not compare equal), nested ones by field and key
+        ("unit_grad_norms.layers.0"); optional fields only when set."""
+        logged = {k: v for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
+        kinds = _nonfinite_kinds(logged)
+        return {k: _json_value(v) for k, v in logged.items()} | ({"nonfinite": kinds} if kinds else {})
 
 
 _OPTIONAL = ("eval_loss", "unit_grad_norms", "unit_param_norms")
+
+
+def _nonfinite_kinds(values: dict, prefix: str = "") -> dict[str, str]:
+    """{dotted key: "nan" | "inf" | "-inf"} of the non-finite floats in `values` and its nested dicts."""
+    kinds: dict[str, str] = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            kinds |= _nonfinite_kinds(v, f"{prefix}{k}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            kinds[f"{prefix}{k}"] = repr(v)
+    return kinds
 
 
 def _json_value(v: object) -> object:

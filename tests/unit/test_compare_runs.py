@@ -256,3 +256,25 @@ def test_per_unit_norms_name_the_first_step_and_units_that_differ(tmp_path, caps
     assert "note: per-unit norms first differ at step 2, unit_grad_norms: head" in capsys.readouterr().err
     assert compare_runs.main([str(a), str(b), "--rtol", "1e-6"]) == 0
     assert "per-unit norms" not in capsys.readouterr().err
+
+
+def test_a_nan_and_an_inf_in_one_unit_norm_differ(tmp_path):
+    """Nested NaN/Inf (a unit's norm) are logged as null like top-level ones and named in `nonfinite` by
+    field and unit, so that compare_runs tells them apart."""
+    from trainer.metrics import StepMetrics
+
+    def logged(folder: str, layer_grad: float) -> dict[int, dict]:
+        metrics = StepMetrics(step=1, loss=1.0, grad_norm=float("nan"), lr=1e-3, tokens_per_s=1.0, step_time_s=1.0,
+                              tflops=0.0, tflops_compute=0.0, comm_wait_s=0.0, mfu=None, mfu_compute=None,
+                              mem_peak_gib=0.0, comm={}, unit_grad_norms={"layers.0": layer_grad, "head": 1.0},
+                              unit_param_norms={"layers.0": 1.0, "head": 1.0})
+        record = json.loads(json.dumps(metrics.record(), allow_nan=False))
+        assert record["unit_grad_norms"]["layers.0"] is None
+        assert record["nonfinite"] == {"grad_norm": "nan", "unit_grad_norms.layers.0": repr(layer_grad)}
+        return compare_runs.read_metrics(_write(tmp_path / folder, [record]), [])
+
+    nan, inf, nan2 = logged("nan", float("nan")), logged("inf", float("inf")), logged("nan2", float("nan"))
+    assert math.isnan(nan[1]["unit_grad_norms"]["layers.0"]) and nan[1]["unit_grad_norms"]["head"] == 1.0
+    assert compare_runs.unit_divergence(nan, inf, 0.0) == \
+        "per-unit norms first differ at step 1, unit_grad_norms: layers.0"
+    assert compare_runs.unit_divergence(nan, nan2, 0.0) is None
