@@ -62,6 +62,7 @@ class StepMetrics:
     unit_grad_norms: dict[str, float] | None = None
     unit_param_norms: dict[str, float] | None = None
     skipped_steps: int = 0  # optimizer steps skipped so far for a NaN/Inf loss or gradient (nan_policy=skip)
+    profiled: bool | None = None  # True on a step run under the profiler: its times include the profiler's cost
     wall_time: float = field(default_factory=time.time)  # when the step ended (seconds since the epoch)
 
     def record(self) -> dict:
@@ -73,7 +74,7 @@ class StepMetrics:
         return {k: _json_value(v) for k, v in logged.items()} | ({"nonfinite": kinds} if kinds else {})
 
 
-_OPTIONAL = ("eval_loss", "unit_grad_norms", "unit_param_norms")
+_OPTIONAL = ("eval_loss", "unit_grad_norms", "unit_param_norms", "profiled")
 
 
 def _nonfinite_kinds(values: dict, prefix: str = "") -> dict[str, str]:

@@ -31,11 +31,13 @@ class StepProfiler:
         self.rank = rank
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
+    def due(self, step: int) -> bool:
+        """Whether optimizer step `step` runs under the profiler."""
+        return bool(self.freq) and step % self.freq == 0
+
     def step(self, step: int) -> AbstractContextManager:
         """Wrap optimizer step `step`: a profiler when it is due, else nothing."""
-        if not self.freq or step % self.freq:
-            return nullcontext()
-        return _ProfiledStep(self, step)
+        return _ProfiledStep(self, step) if self.due(step) else nullcontext()
 
 
 class _ProfiledStep:

@@ -272,6 +272,8 @@ def _fit(
         for step in range(start_step + 1, cfg.steps + 1):
             with profiler.step(step), memory.recording(step):
                 m = trainer.train_step(step)
+            if profiler.due(step):
+                m.profiled = True
             memory.after_step(step)
             if lock is not None:
                 lock.check_owned()  # before this step's outputs are written

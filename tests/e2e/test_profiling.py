@@ -3,7 +3,7 @@ communication ranges (op, group, FSDP unit or pipeline actions) and the pipeline
 
 import json
 
-from tests.e2e.launch import train, train_ok
+from tests.e2e.launch import metrics, train, train_ok
 
 
 def test_profiled_step_writes_one_trace_per_rank_with_named_communication(tmp_path):
@@ -26,10 +26,12 @@ def test_profiled_step_writes_one_trace_per_rank_with_named_communication(tmp_pa
 
 def test_the_printed_table_lists_operators_not_python_frames(tmp_path):
     """With profile_with_stack, every thread's Python frames are recorded; the dump_dir lock's idle
-    heartbeat thread would otherwise top rank 0's table of operators."""
-    proc = train(1, tmp_path / "run", "model=tiny", "seq_len=32", "steps=2", "batch_size=2", "profile_freq=2",
-                 "profile_with_stack=true")
+    heartbeat thread would otherwise top rank 0's table of operators. The profiled step's record says
+    it was profiled (its times include the profiler's overhead); the others do not."""
+    proc = train(1, tmp_path / "run", "model=tiny", "seq_len=32", "steps=3", "batch_size=2", "profile_freq=2",
+                 "profile_with_stack=true", "log_all_steps=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r.get("profiled") for r in metrics(tmp_path / "run")] == [None, True, None]
     table = proc.stderr.split("profile of step 2 (rank 0):")[1]
     rows = [line for line in table.splitlines() if "%" in line]
     assert rows and all(".py(" not in row for row in rows), rows

@@ -278,3 +278,16 @@ def test_a_nan_and_an_inf_in_one_unit_norm_differ(tmp_path):
     assert compare_runs.unit_divergence(nan, inf, 0.0) == \
         "per-unit norms first differ at step 1, unit_grad_norms: layers.0"
     assert compare_runs.unit_divergence(nan, nan2, 0.0) is None
+
+
+def test_a_profiled_step_compares_as_any_other(tmp_path, capsys):
+    """`profiled` marks a step's timings, not its numerics: a run profiled at some steps is bitwise equal
+    to the same run unprofiled."""
+    records = [{"step": s, "loss": loss, "grad_norm": 0.5} for s, loss in ((1, 6.9), (2, 6.1))]
+    plain = _write(tmp_path / "a", records)
+    profiled = _write(tmp_path / "b", [r | {"profiled": True} if r["step"] == 2 else r for r in records])
+    assert compare_runs.main([str(plain), str(profiled)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().endswith("bitwise equal over 2 steps")
+    assert all(line.endswith("has no readable train_config.json: the configs are not compared")
+               for line in err.splitlines()), err  # nothing about the flag
