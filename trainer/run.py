@@ -311,19 +311,21 @@ def _checkpoint(
     cfg: TrainConfig, trainer: Trainer, step: int, state: Callable[..., dict], extra_files: ExtraFiles, rank: int,
     log: Callable[[str], None], background: AsyncCheckpointer | None, in_background: bool,
 ) -> None:
-    """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal:
-    after the background save in flight, if any, has completed)."""
+    """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal).
+    Either way the save in flight, if any, completes first (its own line reports what that cost); the
+    stall reported here starts with the weight check, in both modes."""
     comm.set_phase("checkpoint save")
+    if background is not None:
+        background.wait()
+    start = time.perf_counter()
     if not weights_finite(trainer.roots, comm.world()):
         raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
     root = Path(cfg.dump_dir) / CHECKPOINTS_DIR
     if background is not None and in_background:
-        stalled = background.save(step, state(step=step))
-        log(f"saving checkpoint of step {step} in the background (the step loop stalled {stalled:.3f} s)")
+        background.save(step, state(step=step))
+        log(f"saving checkpoint of step {step} in the background (the step loop stalled "
+            f"{time.perf_counter() - start:.3f} s)")
         return
-    if background is not None:
-        background.wait()
-    start = time.perf_counter()
     path = save_checkpoint(root, step, state(step=step), comm.world(), rank, extra_files)
     if rank == 0:
         prune_checkpoints(root, cfg.checkpoint.keep)

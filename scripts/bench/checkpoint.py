@@ -4,9 +4,14 @@
     python scripts/bench/checkpoint.py [--model small] [--nproc 2] [--saves 3] [--quick]
 
 Runs train.py under torchrun twice with the same config (a checkpoint every other step) and reads the
-stall of each save from the trainer's own log lines; prints median stall per mode, their ratio, and
-the median step time of each run (an async save writes while the next steps compute: on a machine
-with few cores the writer competes with them).
+stall of each save from the trainer's own log lines: a synchronous save's one figure (the weight check,
+the write, manifest, rename and pruning), an asynchronous save's two added (its start: the weight check
+and the copy to host memory; its completion: the checks for it, any wait, manifest, rename and
+pruning). Each run makes two saves more than --saves, not counted: the first (one-time set-up such as
+the asynchronous save's process group) and the last (the end of training waits for an asynchronous
+write, with no step left to overlap it). Prints the median stall per mode, their ratio, and the median
+step time of each run (an async save writes while the next steps compute: on a machine with few cores
+the writer competes with them).
 """
 
 import argparse
@@ -21,10 +26,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+# "saved checkpoint .../step_N (...the step loop stalled X s...)", "saving checkpoint of step N in the background (...)"
+_STALL = re.compile(r"checkpoint (?:of step |\S*step_)(\d+)\b.*the step loop stalled ([0-9.]+) s")
+
+
+def stalls_per_save(log: str) -> dict[int, list[float]]:
+    """{step: the stalls its save logged}: one for a synchronous save, start and completion for an
+    asynchronous one."""
+    stalls: dict[int, list[float]] = {}
+    for step, seconds in _STALL.findall(log):
+        stalls.setdefault(int(step), []).append(float(seconds))
+    return stalls
+
 
 def run(mode: str, opts: argparse.Namespace, folder: Path) -> tuple[list[float], list[float]]:
-    """(stall of each save, step times) of one training run."""
-    steps = 2 * opts.saves
+    """(stall of each counted save, its parts added; step times) of one training run."""
+    steps = 2 * (opts.saves + 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}",
            str(REPO / "train.py"), f"dump_dir={folder / mode}", f"data.cache_dir={REPO / '.cache' / 'data'}",
            f"model={opts.model}", f"seq_len={opts.seq}", "batch_size=1", f"steps={steps}", "checkpoint.freq=2",
@@ -33,7 +50,7 @@ def run(mode: str, opts: argparse.Namespace, folder: Path) -> tuple[list[float],
     if out.returncode:
         sys.exit(f"{mode} run failed:\n{out.stderr[-3000:]}")
     text = out.stdout + out.stderr
-    stalls = [float(s) for s in re.findall(r"the step loop stalled ([0-9.]+) s", text)]
+    stalls = [sum(parts) for _, parts in sorted(stalls_per_save(text).items())][1:-1]
     metrics = [line for line in (folder / mode / "metrics.jsonl").read_text().splitlines()]
     step_times = [float(re.search(r'"step_time_s": ([0-9.e-]+)', m).group(1)) for m in metrics[1:]]
     return stalls, step_times
@@ -44,7 +61,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=3, help="saves counted per mode (two more are made)")
     parser.add_argument("--quick", action="store_true", help="model=tiny, seq 64, 2 saves")
     opts = parser.parse_args()
     if opts.quick:
