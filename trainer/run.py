@@ -214,6 +214,7 @@ def _build_data(
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=_same_data_on_every_rank,
     )
     dp, global_batch = mesh.dims.dp, cfg.batch_size * mesh.dims.dp
+    tokens.num_sequences(cfg.seq_len)  # refuses data shorter than one sequence in a line naming seq_len
     train_windows, held_out = split_windows(tokens.num_tokens, cfg.seq_len, cfg.data.held_out_fraction)
     sampler = GlobalBatchSampler(train_windows, global_batch, cfg.seed, cfg.data.held_out_fraction)
     log(sampler.epochs_line(cfg.steps))

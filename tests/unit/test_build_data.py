@@ -1,5 +1,6 @@
 """What run._build_data makes of the prepared data: the split, the sampler and the lines it logs."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -7,12 +8,14 @@ import pytest
 from parallel.errors import ConfigError
 from trainer import run
 from trainer.config import DataConfig, TrainConfig
+from trainer.token_shards import PackedTokens
 
 
 def _build_data(monkeypatch, tmp_path, num_tokens: int, held_out_fraction: float = 0.0, **overrides) -> list[str]:
     """_build_data on `num_tokens` prepared tokens, seq_len 10, one data-parallel rank of batch 8;
     returns its log lines."""
     tokens, tokenizer = SimpleNamespace(num_tokens=num_tokens), SimpleNamespace(bos_id=1)
+    tokens.num_sequences = partial(PackedTokens.num_sequences, tokens)  # of the token count alone
     monkeypatch.setattr(run, "prepare_dataset", lambda *args, **kwargs: (tokenizer, tokens))
     cfg = TrainConfig(dump_dir=str(tmp_path / "dump"), seq_len=10, batch_size=8,
                       data=DataConfig(held_out_fraction=held_out_fraction), **overrides)
@@ -38,3 +41,8 @@ def test_a_held_out_split_that_leaves_too_few_sequences_is_named(monkeypatch, tm
     # 101 tokens, half held out: training windows end before token 51, five of them.
     with pytest.raises(ConfigError, match=r"exceeds the 5 sequences data.held_out_fraction=0.5 leaves for training"):
         _build_data(monkeypatch, tmp_path, 101, held_out_fraction=0.5)
+
+
+def test_data_shorter_than_one_sequence_names_seq_len(monkeypatch, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"^seq_len=10 needs at least 11 tokens but the data has 10$"):
+        _build_data(monkeypatch, tmp_path, 10, held_out_fraction=0.01)
