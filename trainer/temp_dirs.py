@@ -30,7 +30,8 @@ def make_writer_temp_dir(parent: Path, prefix: str) -> Path:
 
 def remove_stale_temp_dirs(parent: Path, prefix: str) -> list[Path]:
     """Removes the folders `parent/prefix*` whose writer is gone; returns them."""
-    stale = [folder for folder in Path(parent).glob(f"{glob.escape(prefix)}*") if folder.is_dir() and _writer_gone(folder)]
+    candidates = Path(parent).glob(f"{glob.escape(prefix)}*")
+    stale = [folder for folder in candidates if folder.is_dir() and _writer_gone(folder)]
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
     return stale
