@@ -10,16 +10,14 @@ when a feature needs them, so none escapes the ledger.)
 Each call also opens a profiler range named "op group [label]" (label: the FSDP unit, the pipeline
 stage), so a trace shows which collective ran where; outside profiling the range costs microseconds.
 
-The ledger also sums the wall-clock time this rank spent blocked on communication ("exposed comm"):
-synchronous collectives for their whole duration, asynchronous ones while `wait` waits for them. It is
-measured on the host clock: exact for gloo; with NCCL, which blocks streams rather than the host, it
-counts only what the host itself waited.
+The ledger also sums the time this rank spent blocked on communication ("exposed comm"): synchronous
+collectives for their whole duration, asynchronous ones while `wait` waits for them. gloo blocks the
+host, NCCL the compute stream: `time_waits_on_stream` makes the clock see the latter (see wait_clock.py).
 
 On gloo two collectives are issued as others that need no private full-size buffer (see
 `_gather_by_broadcasts`, `_reduce_scatter_in_place`); the ledger still counts the collective asked for.
 """
 
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 from torch.profiler import record_function
+
+from parallel.wait_clock import StreamEvent, WaitClock
 
 _group_names: dict[ProcessGroup, str] = {}
 
@@ -76,7 +76,7 @@ class CommLedger:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-        self.wait_s = 0.0  # host time blocked on communication since the last reset
+        self.wait_clock = WaitClock()  # time blocked on communication since the last reset
         self.step: int | None = None
         self.where: dict[str, str] = {}  # e.g. {"stage": "pipeline r1 B c0 m2", "unit": "backward of layers.3"}
         self.timeout_s: float | None = None
@@ -88,9 +88,14 @@ class CommLedger:
 
     def reset(self, step: int | None = None) -> None:
         self._entries.clear()
-        self.wait_s = 0.0
+        self.wait_clock.reset()
         self.step = step
         self.where.clear()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds blocked on communication since the last reset (waits for the stream's timed waits)."""
+        return self.wait_clock.total_s()
 
     def describe(self, op: str, group: ProcessGroup | None, label: str) -> str:
         """The op (of what: its label, e.g. the FSDP unit), group, step and where the rank was, for a
@@ -122,6 +127,12 @@ class CommLedger:
 
 
 LEDGER = CommLedger()
+
+
+def time_waits_on_stream(make_event: Callable[[], StreamEvent] | None) -> None:
+    """Count the time the compute stream (not only the host) is blocked on collectives, as NCCL blocks
+    it: `make_event` makes a timing event of the device's streams; None goes back to the host clock."""
+    LEDGER.wait_clock.use_stream_events(make_event)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,16 +170,17 @@ def _timed_out(e: RuntimeError) -> bool:
 def traced(op: str, group: ProcessGroup | None, label: str = "", blocking: bool = True) -> Iterator[None]:
     """The profiler range of a collective (or of waiting for one); a blocking one's time is exposed comm.
     A timeout becomes one CommTimeout line naming the op, the group and where the rank is."""
-    start = time.perf_counter()
     try:
         with record_function(f"{op} {group_name(group)}" + (f" {label}" if label else "")):
-            yield
+            if blocking:
+                with LEDGER.wait_clock.interval():
+                    yield
+            else:
+                yield
     except RuntimeError as e:
         if _timed_out(e) and not isinstance(e, CommTimeout):
             raise CommTimeout(LEDGER.describe(op, group, label)) from e
         raise
-    if blocking:
-        LEDGER.wait_s += time.perf_counter() - start
 
 
 class ComposedWork:

@@ -51,7 +51,7 @@ class StepMetrics:
     step_time_s: float
     tflops: float
     tflops_compute: float  # model FLOPs over the step time not spent blocked on communication
-    comm_wait_s: float  # host time blocked on communication (comm.LEDGER.wait_s)
+    comm_wait_s: float  # time blocked on communication, host or (CUDA) compute stream (comm.LEDGER.wait_s)
     mfu: float | None
     mfu_compute: float | None  # the MFU of tflops_compute (CUDA only, like mfu)
     mem_peak_gib: float

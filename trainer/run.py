@@ -56,6 +56,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def select_device(launch: LaunchEnv) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
+        # NCCL blocks the compute stream, not the host: exposed comm is timed with stream events.
+        comm.time_waits_on_stream(partial(torch.cuda.Event, enable_timing=True))
         return torch.device("cuda", launch.local_rank)
     return torch.device("cpu")
 

@@ -80,7 +80,7 @@ def test_peak_flops_by_device_name(monkeypatch, name: str, peak: float | None):
     assert device_peak_flops(torch.device("cpu")) is None
 
 
-def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
+def test_tflops_compute_leaves_out_the_time_blocked_on_communication(monkeypatch):
     """Both TFLOP/s from the FLOP formula: end to end over the step time, and over the time not spent
     blocked on communication (the ledger's exposed-comm total)."""
     args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128)
@@ -89,8 +89,9 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
         dims=SimpleNamespace(world_size=2)), peak_flops=None, device=torch.device("cpu"),
         optimizer=SimpleNamespace(updates=lambda: 1))
     comm.LEDGER.reset()
-    comm.LEDGER.wait_s = 0.25
+    monkeypatch.setattr(comm.LEDGER.wait_clock, "total_s", lambda: 0.25)
     m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
+    monkeypatch.undo()
     comm.LEDGER.reset()
     assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
     assert m.tflops_compute == pytest.approx(m.tflops / 0.75) and m.tflops_compute >= m.tflops
@@ -101,7 +102,7 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication():
         assert m.tflops_compute == m.tflops and m.comm_wait_s == 0
 
     trainer.peak_flops = 2e9  # MFU: each device's achieved FLOP/s over its peak
-    comm.LEDGER.wait_s = 0.5
+    monkeypatch.setattr(comm.LEDGER.wait_clock, "total_s", lambda: 0.5)
     m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=2.0)
     comm.LEDGER.reset()
     assert m.mfu == pytest.approx(per_token * 4 * 128 / 2 / 2.0 / 2e9)
