@@ -9,6 +9,8 @@ the shard to the compute dtype and all-gathers it into `_buffer`; the module's p
 views of `_full`, an autograd leaf over that buffer, made by one autograd function whose backward
 writes all of their gradients into the unit's fp32 flat gradient (the concat). Resharding frees the
 buffer's storage; saved views keep aliasing it, so re-gathering before backward makes them valid again.
+While SHARDED the module's parameter attributes are meta tensors of the parameters' shapes: a view of
+the freed buffer read from outside (a user's probe of `layer.wq.weight`) would read freed memory.
 """
 
 import weakref
@@ -119,6 +121,8 @@ class FSDPUnit:
         module.register_parameter("flat_param", self.flat_param)
         _materialize_buffers(name, module, init)
         self._owners = owners
+        self._views: list[torch.Tensor] = []  # the latest forward's parameter views, shown while unsharded
+        self._show_placeholders()
         self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
         self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
@@ -199,6 +203,7 @@ class FSDPUnit:
             if self._fp8 is not None:
                 self._fp8.finish(self._buffer)
             self.state = UnitState.UNSHARDED
+            self._show_views()  # valid again: a recompute in backward reads them from the module
 
     def unshard(self) -> None:
         self.start_unshard()
@@ -211,6 +216,7 @@ class FSDPUnit:
             if self._fp8 is not None:
                 self._fp8.free()
             self.state = UnitState.SHARDED
+            self._show_placeholders()
 
     # --- memory accounting -------------------------------------------------------------------
     def _parameter_tensors(self) -> list[torch.Tensor]:
@@ -244,14 +250,23 @@ class FSDPUnit:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _cut_views(self)
-        for (sub, attr), view in zip(self._owners, views):
-            setattr(sub, attr, view)
+        self._views = views
+        self._show_views()
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
         # would vanish without an error. Every view must have a grad_fn when grad is enabled.
         if torch.is_grad_enabled() and not self.views_have_autograd_edges():
             raise RuntimeError(f"FSDP unit {self.name}: parameter views lost their autograd edge")
         if self.main_grad_params and torch.is_grad_enabled():
             self._bind_main_grads(views)
+
+    def _show_views(self) -> None:
+        for (sub, attr), view in zip(self._owners, self._views):
+            setattr(sub, attr, view)
+
+    def _show_placeholders(self) -> None:
+        """Shapes without values: reading one is a meta-device error, not a read of freed memory."""
+        for (sub, attr), shape in zip(self._owners, self.spec.shapes):
+            setattr(sub, attr, torch.empty(shape, dtype=self.cfg.compute_dtype, device="meta"))
 
     def _bind_main_grads(self, views: list[torch.Tensor]) -> None:
         """Give the views of main_grad parameters their slices of the fp32 accumulator, which therefore
