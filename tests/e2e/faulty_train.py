@@ -9,6 +9,8 @@ POINT is where in step STEP worker RANK dies:
   save_begin   entering the checkpoint save after the step, before any shard is written
   save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
   save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
+(the save points go by the checkpoint's folder, so with checkpoint.async_save they fire in the
+background thread, while the next steps run)
 or, with POINT `write_error`, worker RANK does not die: its shard write of step STEP's checkpoint fails
 as on a full disk (ENOSPC), also in checkpoint.async_save's background thread;
 or, with POINT `stall`, worker RANK does not die but sleeps for a minute at step STEP's first gradient
@@ -40,6 +42,12 @@ def die(where: str) -> None:
     sys.stderr.write(f"faulty_train: killing rank {os.environ.get('RANK')} at {where}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _saving(folder: object, step: int) -> bool:
+    """Whether `folder` is where step `step`'s checkpoint is being written: by folder, not by the step
+    counter, as a background save runs after the step loop moved on."""
+    return Path(str(folder)).name == f".tmp_step_{step}"
 
 
 def arm(point: str, step: int) -> None:
@@ -88,7 +96,7 @@ def arm(point: str, step: int) -> None:
     wrap = {
         "backward": (comm, "reduce_scatter_tensor", lambda *a, **k: current["step"] == step),
         "optimizer": (optimizer.NamedAdamW, "step", lambda *a, **k: current["step"] == step),
-        "save_begin": (dcp_io, "save_state", lambda *a, **k: current["step"] == step),
+        "save_begin": (dcp_io, "save_state", lambda state, folder, group: _saving(folder, step)),
     }
     if point in wrap:
         owner, name, when = wrap[point]
@@ -105,7 +113,7 @@ def arm(point: str, step: int) -> None:
 
         def write_then_die(self, plan, planner):
             future = write_data(self, plan, planner)
-            if current["step"] == step:
+            if _saving(self.path, step):
                 future.wait()
                 die(f"{point}:{step}")
             return future
@@ -114,8 +122,8 @@ def arm(point: str, step: int) -> None:
     elif point == "write_error":
         write_data = FileSystemWriter.write_data
 
-        def full_disk(self, plan, planner):  # by folder: a background write runs after the step moved on
-            if Path(str(self.path)).name == f".tmp_step_{step}":
+        def full_disk(self, plan, planner):
+            if _saving(self.path, step):
                 raise OSError(errno.ENOSPC, "No space left on device (faulty_train)")
             return write_data(self, plan, planner)
 
@@ -124,7 +132,7 @@ def arm(point: str, step: int) -> None:
         replace = os.replace
 
         def replace_or_die(src, dst):
-            if Path(src).name == f".tmp_step_{step}":
+            if _saving(src, step):
                 die(f"{point}:{step}")
             return replace(src, dst)
 

@@ -19,8 +19,8 @@ def straight(checkpointed_run) -> dict[int, float]:
     return losses(metrics(checkpointed_run))
 
 
-def run_with_fault(dump_dir: Path, fault: str) -> subprocess.CompletedProcess:
-    return train(2, dump_dir, *RUN, fault=fault, max_restarts=2)
+def run_with_fault(dump_dir: Path, fault: str, *overrides: str) -> subprocess.CompletedProcess:
+    return train(2, dump_dir, *RUN, *overrides, fault=fault, max_restarts=2)
 
 
 def assert_recovered(proc: subprocess.CompletedProcess, dump_dir: Path, fault: str, straight: dict[int, float]) -> None:
@@ -33,13 +33,17 @@ def assert_recovered(proc: subprocess.CompletedProcess, dump_dir: Path, fault: s
     assert checkpoints == ["step_6"], (fault, checkpoints)  # keep=1; no half-written folder left behind
 
 
-@pytest.mark.parametrize("fault", ["save_begin:4:1", "save_shards:4:1", "save_rename:4:0", "step_start:2:0"])
-def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, straight, fault):
+@pytest.mark.parametrize("fault, async_save", [
+    ("save_begin:4:1", False), ("save_shards:4:1", False), ("save_rename:4:0", False), ("step_start:2:0", False),
+    ("save_shards:4:1", True), ("save_rename:4:0", True),
+])
+def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, straight, fault, async_save):
     """Before any shard, between shards (the victim's own is written), and after the manifest but
-    before the rename: the half-written step_4 is never loaded; step_2 (kept, as pruning only follows a
-    complete save) is. Killed before the first checkpoint, the group starts over: the metrics it finds
-    are its own earlier attempt's (same job), which move to the superseded file."""
-    proc = run_with_fault(tmp_path / "dump", fault)
+    before the rename, also in checkpoint.async_save's background thread while the next step runs: the
+    half-written step_4 is never loaded; step_2 (kept, as pruning only follows a complete save) is.
+    Killed before the first checkpoint, the group starts over: the metrics it finds are its own earlier
+    attempt's (same job), which move to the superseded file."""
+    proc = run_with_fault(tmp_path / "dump", fault, f"checkpoint.async_save={str(async_save).lower()}")
     assert_recovered(proc, tmp_path / "dump", fault, straight)
     output = proc.stdout + proc.stderr
     if fault.startswith("save"):
