@@ -63,3 +63,34 @@ def test_block_causal_runs_in_the_memory_efficient_kernel_and_matches_the_math_p
     reference = causal_attention(q.detach().float(), k.detach().float(), v.detach().float(), "math", mask)
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_the_wait_clock_counts_a_wait_that_blocks_only_the_stream():
+    """As NCCL's waits do: the host returns at once while the stream is held (here by a sleep kernel).
+    With CUDA timing events the ledger counts the stream's time; the host clock alone would not."""
+    from functools import partial
+
+    from parallel import comm
+
+    def stream_held_for(ms: float) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        cycles_per_ms = 1_000_000 / start.elapsed_time(end)
+        with comm.traced("wait reduce_scatter", None):
+            torch.cuda._sleep(int(cycles_per_ms * ms))
+
+    comm.LEDGER.reset()
+    try:
+        stream_held_for(50.0)
+        host_only = comm.LEDGER.wait_s
+        comm.time_waits_on_stream(partial(torch.cuda.Event, enable_timing=True))
+        comm.LEDGER.reset()
+        stream_held_for(50.0)
+        assert 0.04 < comm.LEDGER.wait_s < 0.2, comm.LEDGER.wait_s
+        assert host_only < 0.02, host_only
+    finally:
+        comm.time_waits_on_stream(None)
+        comm.LEDGER.reset()
