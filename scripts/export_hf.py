@@ -144,6 +144,9 @@ NORMALIZATION_PROBES = ("a\n    b", "x  y", "trail ", "\uff46\uff55\uff4c\uff4c"
 
 def tokenization_difference(tokenizer: Tokenizer) -> str | None:
     """Where transformers would tokenize text otherwise than training did (None: nowhere probed)."""
+    if tokenizer.model_type != "bpe":
+        return (f"the model is a sentencepiece {tokenizer.model_type} model: transformers' Llama tokenizer "
+                "segments text as BPE, into other tokens")
     if not tokenizer.has_byte_fallback:
         return ("the model has no byte fallback: text outside its vocabulary is <unk> for training, and "
                 "transformers drops it")
@@ -160,6 +163,8 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     bos first (packing puts one before every document), no eos appended, a space prefixed only where the
     model itself adds one (the BPE trained here does not). Special tokens are named by the model's own
     pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours.
+    Their text inside a document ("</s>" in code) is ordinary characters to training, and so to
+    transformers with split_special_tokens (else it would become the control token).
     One difference transformers keeps for a model that adds a prefix space: text that itself begins
     with whitespace tokenizes differently there (documents rarely do; ours adds none)."""
     (out / "tokenizer.model").write_bytes(tokenizer.model_bytes)
@@ -167,7 +172,7 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
         "bos_token": tokenizer.piece(tokenizer.bos_id), "eos_token": tokenizer.piece(tokenizer.eos_id),
         "unk_token": tokenizer.piece(tokenizer.unk_id), "legacy": False,
-        "add_prefix_space": tokenizer.adds_prefix_space,
+        "add_prefix_space": tokenizer.adds_prefix_space, "split_special_tokens": True,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

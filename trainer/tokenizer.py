@@ -74,6 +74,14 @@ class Tokenizer:
         return self._sp.Normalize("x").startswith("\u2581")  # the normalizer itself, whatever the vocabulary
 
     @property
+    def model_type(self) -> str:
+        """How the model segments: "bpe" (ours, Llama's), "unigram" (sentencepiece's default), "word", "char"."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto.FromString(self.model_bytes)
+        return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+
+    @property
     def has_byte_fallback(self) -> bool:
         """Whether text outside the vocabulary becomes its UTF-8 bytes rather than <unk>: sentencepiece
         adds the 256 byte pieces, <0x00> to <0xFF>, only with byte_fallback."""
