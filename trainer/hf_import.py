@@ -73,8 +73,9 @@ def _open_safetensors(folder: Path, path: Path):
 
 
 # config.json fields our model has no equivalent for, and the values it implies (transformers maps
-# "swish" to the same function as "silu").
-_UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu", "swish")}
+# "swish" to the same function as "silu"; the model has no dropout, so any other rate would be dropped).
+_UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu", "swish"),
+                "attention_dropout": (0.0,)}
 
 
 # What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of

@@ -134,6 +134,8 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
          f"num_key_value_heads={args.n_heads} vs model.n_kv_heads={args.n_kv_heads}"),
         ("no_eps", lambda c: {k: v for k, v in c.items() if k != "rms_norm_eps"},
          f"rms_norm_eps=1e-06 vs model.norm_eps={args.norm_eps}"),
+        ("dropout", lambda c: c | {"attention_dropout": 0.1},
+         "config.json has attention_dropout=0.1; this model supports only 0.0"),
     ):
         tiny_llama(tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
