@@ -166,7 +166,8 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     Their text inside a document ("</s>" in code) is ordinary characters to training, and so to
     transformers with split_special_tokens (else it would become the control token).
     One difference transformers keeps for a model that adds a prefix space: text that itself begins
-    with whitespace tokenizes differently there (documents rarely do; ours adds none)."""
+    with whitespace (or with "\u2581", sentencepiece's space symbol) tokenizes differently there
+    (documents rarely do; ours adds none)."""
     (out / "tokenizer.model").write_bytes(tokenizer.model_bytes)
     config = {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
