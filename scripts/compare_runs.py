@@ -6,14 +6,17 @@ one verdict.
 
 Reads `metrics.jsonl` of both dump_dirs (a path to the file itself names its folder); eval losses only
 where a run evaluated. Exit code 0 when every common step's loss, grad norm and eval
-loss (or the --fields given) agree within --rtol (default 0: bit for bit) and both runs logged the same
-steps and fields, 1 otherwise, 2 when there is no verdict to trust (unreadable metrics, one metrics file
-given twice, no step in common, no value to compare, every value non-finite in both runs). A non-finite
+loss (or the --fields given) agree within --rtol (default 0: bit for bit), both runs logged the same
+steps and fields, and their per-unit norms agree where both logged them (metrics.unit_norms=true), 1
+otherwise, 2 when there is no verdict to trust (unreadable metrics, one metrics file given twice or
+copied, no step in common, no value to compare, every value non-finite in both runs). A non-finite
 value (logged as null) agrees only with a non-finite value at the same step (the verdict counts them); a field one run logged and the other did not is a difference. A partial last
 line (a run still writing, or killed mid-line) is left out with a note. Notes on stderr name what the
 verdict cannot see: a run that logged fewer steps than its config's `steps`, the config keys in which
-the runs differ (from train_config.json) and, where both runs logged per-unit norms
-(metrics.unit_norms=true), the first step and units whose norms differ. --plot draws both loss curves
+the runs differ (from train_config.json), or that they differ in none, and keys that differ but change
+nothing on either run's layout (from layout.json), so that the comparison does not test them.
+Per-unit norms that differ (or that only one run logged) make the verdict a difference: the weights or
+gradients differ, whatever the summed values show. --plot draws both loss curves
 and their difference; --brief prints only the verdict line with each run's median TFLOP/s (for scripts such as
 numerics_matrix.sh).
 """
@@ -88,11 +91,26 @@ def config_notes(dump_a: Path, dump_b: Path, a: dict[int, dict], b: dict[int, di
     notes += [f"{d} has no readable train_config.json: the configs are not compared"
               for d, c in zip((dump_a, dump_b), configs) if not c]
     if all(configs):
-        differ = [f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in sorted(configs[0].keys() | configs[1].keys())
-                  if k != "dump_dir" and configs[0].get(k) != configs[1].get(k)]
+        keys = [k for k in sorted(configs[0].keys() | configs[1].keys())
+                if k != "dump_dir" and configs[0].get(k) != configs[1].get(k)]
+        differ = [f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in keys]
         if differ:
             notes.append("the configs differ in: " + ", ".join(differ) + _global_batch_note(dump_a, dump_b, configs))
+        else:
+            notes.append("the configs are identical (dump_dir aside): nothing was toggled between the runs")
+        inert = [_inert_keys(dump_a), _inert_keys(dump_b)]
+        notes += [f"{k} differs, but changes nothing on either run's layout (it needs {inert[0][k]}): "
+                  "this comparison does not test it" for k in keys if k in inert[0] and k in inert[1]]
     return notes
+
+
+def _inert_keys(dump_dir: Path) -> dict[str, str]:
+    """{key: what it needs} of the keys that change nothing on the run's layout (layout.json)."""
+    try:
+        inert = json.loads((dump_dir / "layout.json").read_text()).get("inert_keys")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return inert if isinstance(inert, dict) else {}
 
 
 def _global_batch_note(dump_a: Path, dump_b: Path, configs: list[dict]) -> str:
@@ -204,7 +222,7 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
     elif math.isinf(worst[0]):
         verdict = f"values differ in kind at step {worst[1]} ({worst[2]}: missing or non-finite in one run)"
     else:
-        verdict = f"max rel diff {worst[0]:.3e} at step {worst[1]} ({worst[2]})"
+        verdict = f"max rel diff {worst[0]:.3e} at step {worst[1]} ({worst[2]}){_unlogged(steps)}"
     if only:  # a difference, whatever the common steps show: said first
         verdict = f"steps logged by one run only: {only[:10]}; the common steps: {verdict}"
     return rows, verdict, agree
@@ -230,7 +248,9 @@ def unit_divergence(a: dict[int, dict], b: dict[int, dict], rtol: float) -> str 
     for step in sorted(a.keys() & b.keys()):
         for field in UNIT_FIELDS:
             x, y = a[step].get(field), b[step].get(field)
-            if not isinstance(x, dict) or not isinstance(y, dict):
+            if isinstance(x, dict) != isinstance(y, dict):
+                return f"per-unit norms are logged by one run only, from step {step} ({field})"
+            if not isinstance(x, dict):
                 continue
             differ = [unit for unit in x if rel_diff(x[unit], y.get(unit, ABSENT)) > rtol]
             differ += [unit for unit in y if unit not in x]
@@ -238,6 +258,12 @@ def unit_divergence(a: dict[int, dict], b: dict[int, dict], rtol: float) -> str 
                 shown = ", ".join(differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
                 return f"per-unit norms first differ at step {step}, {field}: {shown}"
     return None
+
+
+def copied(a: dict[int, dict], b: dict[int, dict]) -> bool:
+    """Whether every common step ended at the same wall_time in both runs: one is a copy of the other."""
+    times = [(a[s].get("wall_time"), b[s].get("wall_time")) for s in a.keys() & b.keys()]
+    return bool(times) and all(is_finite_number(x) and x == y for x, y in times)
 
 
 def median_tflops(records: dict[int, dict]) -> float:
@@ -322,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UnreadableMetrics(f"{opts.dump_a} and {opts.dump_b} hold the same metrics file: a run compared with "
                                     "itself proves nothing")
         a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
+        if copied(a, b):
+            raise UnreadableMetrics(f"every common step of {opts.dump_a} and {opts.dump_b} ended at the same wall_time: "
+                                    "one run is a copy of the other, which proves nothing")
         fields = opts.fields or default_fields(a, b)
         rows, verdict, agree = compare(a, b, opts.rtol, fields)
     except UnreadableMetrics as e:
@@ -330,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     divergence = unit_divergence(a, b, opts.rtol)
-    for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b) + ([divergence] if divergence else []):
+    if divergence:  # the weights or gradients differ, whatever the summed values show
+        verdict, agree = f"{verdict}; but {divergence}", False
+    for note in notes + config_notes(opts.dump_a, opts.dump_b, a, b):
         print(f"note: {note}", file=sys.stderr)
     if opts.brief:
         print(f"{verdict}; TFLOP/s {median_tflops(a):.4g} vs {median_tflops(b):.4g}")

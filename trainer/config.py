@@ -16,6 +16,7 @@ from model.args import ModelArgs
 from parallel.errors import ConfigError
 
 CONFIG_FILE = "train_config.json"  # the resolved config, written into the dump_dir and each checkpoint
+LAYOUT_FILE = "layout.json"  # the latest job's parallel sizes and the keys inert on them (docs/outputs.md)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
-from trainer.config import CONFIG_FILE, TrainConfig
+from trainer.config import CONFIG_FILE, LAYOUT_FILE, TrainConfig
 from trainer.fingerprint import FINGERPRINT_FILE
 from trainer.metrics import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
 from trainer.preemption import STOPPED_FILE
@@ -44,7 +44,7 @@ STALE_AFTER_S = 30.0
 STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
 JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
-             FINGERPRINT_FILE, CONFIG_FILE)
+             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE)
 # The folders a job may make in its dump_dir (output_folders says when).
 CHECKPOINTS_DIR = "checkpoints"
 TB_DIR = "tb"

@@ -22,7 +22,7 @@ from parallel.random import RNGStreams
 from parallel import comm
 from trainer.async_save import AsyncCheckpointer
 from trainer.checkpoint import ExtraFiles, prune_checkpoints, save_checkpoint
-from trainer.config import CONFIG_FILE, TrainConfig, flat_values
+from trainer.config import CONFIG_FILE, LAYOUT_FILE, TrainConfig, flat_values
 from trainer.data import BatchLoader, prepare_dataset
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.dump_dir import CHECKPOINTS_DIR, DumpDirLock, output_folders, own_dump_dir
@@ -44,7 +44,7 @@ from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.profiling import StepProfiler
 from trainer.resume import refuse_a_changed_run_early, resume, resumed_checkpoint
 from trainer.state import checkpoint_state
-from trainer.validate import layout_noops
+from trainer.validate import inert_keys, layout_noops
 from trainer.tensorboard import TensorBoardLog
 from trainer.token_shards import TOKENS_FILE
 from trainer.tokenizer import Tokenizer
@@ -181,6 +181,8 @@ def _train_in(cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: t
     config_file = dump_dir / CONFIG_FILE
     if launch.rank == 0:
         config_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        layout = dataclasses.asdict(mesh.dims) | {"inert_keys": inert_keys(cfg, mesh.dims)}
+        (dump_dir / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
         write_fingerprint(dump_dir, fingerprint)
         record_history_owner(dump_dir, launch.run_id)
     extra_files = {"tokenizer.model": tokenizer.model_bytes, CONFIG_FILE: config_file,

@@ -253,10 +253,16 @@ _LAYOUT_NOOPS = (
 )
 
 
+def inert_keys(cfg: TrainConfig, dims: ParallelDims) -> dict[str, str]:
+    """{key: what it needs} of the keys that change nothing on this layout, whatever their value (a run
+    comparison toggling one of them tests nothing: scripts/compare_runs.py reads them from layout.json)."""
+    return {key: needs for key, needs, has in _LAYOUT_NOOPS if not has(cfg, dims)}
+
+
 def layout_noops(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
     """The keys set away from their default that change nothing on this layout, for the log."""
     return [f"{setting(cfg, key)} changes nothing on this layout: it needs {needs}"
-            for key, needs, has in _LAYOUT_NOOPS if get_key(cfg, key) != get_key(_DEFAULTS, key) and not has(cfg, dims)]
+            for key, needs in inert_keys(cfg, dims).items() if get_key(cfg, key) != get_key(_DEFAULTS, key)]
 
 
 def _check_te_combinations(cfg: TrainConfig) -> None:

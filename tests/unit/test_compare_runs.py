@@ -45,6 +45,10 @@ def test_one_ulp_in_one_step_is_caught_and_equality_reported(tmp_path, capsys):
     assert compare_runs.main([str(a), str(b), "--brief"]) == 0
     assert capsys.readouterr().out.startswith(
         "bitwise equal over 2 steps (of 4: 2 steps not logged by both runs; log_all_steps=true logs each)")
+    sparse = [_write(tmp_path / name, [{"step": 1, "loss": 6.9}, {"step": 3, "loss": loss}])
+              for name, loss in (("sparse_a", 5.4), ("sparse_b", math.nextafter(5.4, 9)))]
+    assert compare_runs.main([*map(str, sparse), "--brief", "--rtol", "1e-12"]) == 0  # said under a tolerance too
+    assert "at step 3 (loss) (of 3: 1 steps not logged by both runs" in capsys.readouterr().out
 
 
 def test_metrics_files_may_stand_for_their_runs_and_an_eval_column_needs_an_eval(tmp_path, capsys):
@@ -177,6 +181,10 @@ def test_misuse_that_would_prove_nothing_exits_2(tmp_path, capsys):
               "no loss, grad_norm values to compare"), (a, empty, "holds no records"),
              (a, binary, "is not a readable metrics file"), (a, later, "no step in common"),
              (_write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped), "all 4 compared values are non-finite"))
+    copy = _write(tmp_path / "copy", [r | {"wall_time": 1.7e9 + r["step"]} for r in
+                                     map(json.loads, (a / "metrics.jsonl").read_text().splitlines())])
+    cases += ((copy, _write(tmp_path / "copy2", map(json.loads, (copy / "metrics.jsonl").read_text().splitlines())),
+               "ended at the same wall_time: one run is a copy of the other"),)
     for first, second, fragment in cases:
         assert compare_runs.main([str(first), str(second)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -206,6 +214,15 @@ def test_partial_last_line_non_finite_values_unfinished_runs_and_config_differen
     compare_runs.main([str(a), str(b)])
     err = capsys.readouterr().err
     assert "batch_size (4 vs 2)" in err and "the global batch is 4 sequences in both" in err, err
+    for folder in (a, b):  # concat changes nothing on a layout of one microbatch: nothing tests it
+        (folder / "layout.json").write_text(json.dumps({"world_size": 1, "inert_keys": {
+            "optimize_backward_concat": "more than one microbatch", "model.sequence_parallel": "model_parallel_size > 1"}}))
+    compare_runs.main([str(a), str(b)])
+    assert ("note: optimize_backward_concat differs, but changes nothing on either run's layout (it needs more "
+            "than one microbatch): this comparison does not test it") in capsys.readouterr().err
+    (b / "train_config.json").write_text((a / "train_config.json").read_text())
+    compare_runs.main([str(a), str(b)])
+    assert "the configs are identical (dump_dir aside): nothing was toggled" in capsys.readouterr().err
     skipped = [{"step": 1, "loss": 6.9, "grad_norm": 1.0}, {"step": 2, "loss": None, "grad_norm": None}]
     x, y = _write(tmp_path / "x", skipped), _write(tmp_path / "y", skipped)
     assert compare_runs.main([str(x), str(y)]) == 0
@@ -252,10 +269,15 @@ def test_per_unit_norms_name_the_first_step_and_units_that_differ(tmp_path, caps
         return folder
 
     a, b = with_units(tmp_path / "a", 0.3), with_units(tmp_path / "b", 0.30000001)
-    assert compare_runs.main([str(a), str(b)]) == 0  # the verdict is over loss, grad norm and eval loss
-    assert "note: per-unit norms first differ at step 2, unit_grad_norms: head" in capsys.readouterr().err
+    # Loss and grad norm are bitwise equal, but a unit's norm is not: so are the runs' gradients.
+    assert compare_runs.main([str(a), str(b), "--brief"]) == 1
+    assert capsys.readouterr().out.startswith(
+        "bitwise equal over 3 steps; but per-unit norms first differ at step 2, unit_grad_norms: head")
     assert compare_runs.main([str(a), str(b), "--rtol", "1e-6"]) == 0
-    assert "per-unit norms" not in capsys.readouterr().err
+    assert "per-unit norms" not in capsys.readouterr().out
+    plain = _dump(tmp_path / "plain", [6.9, 6.1, 5.4])
+    assert compare_runs.main([str(a), str(plain), "--brief"]) == 1
+    assert "per-unit norms are logged by one run only, from step 1" in capsys.readouterr().out
 
 
 def test_a_nan_and_an_inf_in_one_unit_norm_differ(tmp_path):
