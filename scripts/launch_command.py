@@ -38,6 +38,11 @@ def ranks_per_node(nproc_per_node: int | None, gpus_per_node: int | None) -> int
     return nproc_per_node if nproc_per_node is not None else max(gpus_per_node or 0, 1)
 
 
+def node_ranks(text: str) -> int | str:
+    """argparse type of ranks per node: a count, or "gpu" (torchrun counts the node's own GPUs)."""
+    return text if text == "gpu" else positive_int(text)
+
+
 def positive_int(text: str) -> int:
     """argparse type of node and rank counts."""
     value = int(text)
@@ -51,14 +56,14 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def torchrun_args(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
+def torchrun_args(nnodes: int, nproc_per_node: int | str, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
                   dump_dir: str | None = None, python: str = "python", stop_signal: str = DEFAULT_STOP_SIGNAL,
                   max_restarts: int = 0, hosts_rendezvous: bool | None = None) -> list[str]:
     """argv of torchrun on one node, running train.py with the overrides; `max_restarts`: torchrun
     restarts the whole group that often when a worker dies (the run resumes from its newest checkpoint);
     `hosts_rendezvous`: whether this node hosts the rendezvous store (None: torch guesses from the
-    endpoint's host name)."""
-    if nnodes < 1 or nproc_per_node < 1 or max_restarts < 0:
+    endpoint's host name); `nproc_per_node` "gpu": as many as the node has GPUs."""
+    if nnodes < 1 or (nproc_per_node != "gpu" and nproc_per_node < 1) or max_restarts < 0:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1, "
                          f"max_restarts={max_restarts} at least 0")
     given = {override_key(o): o for o in overrides if "=" in o}
@@ -122,7 +127,7 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nnodes", type=positive_int, required=True)
-    parser.add_argument("--nproc-per-node", type=positive_int, required=True)
+    parser.add_argument("--nproc-per-node", type=node_ranks, required=True, help='a count, or "gpu": one per GPU of the node')
     parser.add_argument("--rdzv-endpoint", required=True)
     parser.add_argument("--rdzv-id", required=True)
     parser.add_argument("--dump-dir")

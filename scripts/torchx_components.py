@@ -20,7 +20,7 @@ _HERE = Path(__file__).resolve().parents[1]
 REPO = _HERE if (_HERE / "scripts" / "launch_command.py").is_file() else Path.cwd()
 sys.path.insert(0, str(REPO))
 
-from scripts.launch_command import torchrun_args  # noqa: E402
+from scripts.launch_command import ranks_per_node, torchrun_args  # noqa: E402
 
 try:
     from torchx import specs
@@ -29,10 +29,11 @@ except ImportError:  # the component stays importable; train() explains
     specs = AppDef = None
 
 
-def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoint: Optional[str] = None,
+def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoint: Optional[str] = None,
           rdzv_id: Optional[str] = None, gpus_per_node: int = 0, image: str = ".", python: str = "python",
           dump_dir: Optional[str] = None, max_restarts: int = 0) -> AppDef:
-    """The trainer as a TorchX app: `overrides` are hydra overrides (model=small steps=1000 ...)."""
+    """The trainer as a TorchX app: `overrides` are hydra overrides (model=small steps=1000 ...); ranks per
+    node: `nproc_per_node`, else (0) one per GPU (`gpus_per_node`), else 1, as the other launchers."""
     if specs is None:
         raise ImportError("scripts/torchx_components.py needs TorchX: pip install torchx")
     if rdzv_endpoint is None:
@@ -41,6 +42,7 @@ def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 1, rdzv_endpoi
                              "(each node would otherwise host its own rendezvous on localhost)")
         rdzv_endpoint = "localhost:29500"
     run_id = rdzv_id or specs.macros.app_id
+    nproc_per_node = ranks_per_node(nproc_per_node or None, gpus_per_node)
     # One node hosts its own rendezvous: said, so that a port another job holds fails at once instead
     # of joining that job's rendezvous. Several nodes run one command: torch tells the host by its name.
     python_cmd, *args = torchrun_args(nnodes, nproc_per_node, rdzv_endpoint, run_id, list(overrides),

@@ -108,6 +108,17 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
     assert [app.roles[0].entrypoint, *app.roles[0].args] == [a for a in restarting if "is_host" not in a]
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv_endpoint HOST:PORT"):
         train(*OVERRIDES, nnodes=2)
+    by_gpus = train(*OVERRIDES, nnodes=2, gpus_per_node=8, rdzv_endpoint="node7:30734", rdzv_id="1234")
+    assert "--nproc_per_node=8" in by_gpus.roles[0].args  # one rank per GPU unless told otherwise
+
+
+def test_each_node_of_a_batch_job_runs_one_rank_per_gpu_it_was_given(tmp_path):
+    """The batch script runs on the first node: its SLURM_GPUS_ON_NODE is not every node's (4 + 8 GPUs
+    of --gpus=12), so each node's torchrun counts its own ("gpu"); NPROC_PER_NODE still wins."""
+    env = {"NPROC_PER_NODE": "", "SLURM_GPUS_ON_NODE": "4"}
+    assert "--nproc_per_node=gpu" in _sbatch_command(tmp_path / "gpus", OVERRIDES, env=env)
+    assert "--nproc_per_node=1" in _sbatch_command(tmp_path / "cpus", OVERRIDES, env={"NPROC_PER_NODE": ""})
+    assert "--nproc_per_node=2" in _sbatch_command(tmp_path / "given", OVERRIDES, env=env | {"NPROC_PER_NODE": "2"})
 
 
 def test_torchx_runs_the_component_file_as_documented(tmp_path):
