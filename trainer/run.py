@@ -131,8 +131,8 @@ def _without_frames(e: BaseException) -> BaseException:
 
 def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torch.device,
            stop_request: StopRequest) -> None:
+    _same_config_on_every_rank(cfg)  # first: ranks of other parallel sizes would build other groups and stall
     mesh = ParallelMesh(dims, device.type, cfg.comm_timeout_s)
-    _same_config_on_every_rank(cfg)
     # Rank 0's name for the job on every rank (a static launch's is its agent's, so per node).
     launch = dataclasses.replace(launch, run_id=comm.all_gather_object(launch.run_id, comm.world())[0])
     dump_dir = Path(cfg.dump_dir)

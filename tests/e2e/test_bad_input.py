@@ -2,12 +2,13 @@
 
 import hashlib
 import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import assert_one_error, metrics, train, train_ok
+from tests.e2e.launch import ENV, REPO, assert_one_error, command, metrics, train, train_ok
 
 FAST = ("model=tiny", "seq_len=64", "batch_size=2")
 
@@ -53,6 +54,22 @@ def test_ranks_that_resolve_another_config_are_refused_before_anything_is_writte
     assert_one_error(proc, "dump_dir: rank 1 resolved", "every rank must run the same overrides",
                      "such as ${now:...}")
     assert not list(tmp_path.glob("run_*/metrics.jsonl")) and not list(tmp_path.glob("run_*/.lock"))
+
+
+def test_ranks_launched_with_other_parallel_sizes_are_refused_not_left_waiting(tmp_path):
+    """A node started with other overrides (here rank 1 alone gets model_parallel_size=2) would build
+    other process groups and wait in them until comm_timeout_s: the config check comes first."""
+    wrapper = tmp_path / "rank1_differs.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "extra = ['model_parallel_size=2'] if os.environ['RANK'] == '1' else []\n"
+        f"sys.argv = [{str(REPO / 'train.py')!r}, *sys.argv[1:], *extra]\n"
+        f"runpy.run_path({str(REPO / 'train.py')!r}, run_name='__main__')\n")
+    argv = command(2, tmp_path / "dump", *FAST, "model.n_kv_heads=4")
+    argv[argv.index(str(REPO / "train.py"))] = str(wrapper)
+    proc = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert_one_error(proc, "model_parallel_size: rank 1 resolved 2, rank 0 1", "every rank must run the same overrides")
+    assert not (tmp_path / "dump" / "metrics.jsonl").exists()
 
 
 def test_hydra_writes_nothing_outside_dump_dir(tmp_path):
