@@ -20,7 +20,7 @@ def test_numerics_matrix_cpu(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()[2:]}
     assert set(rows) == {"a tp2 pp2 dp2 fp8 gpipe"}, rows
     for name, result in rows.items():
-        assert result.startswith("bitwise equal over 3 steps; TFLOP/s"), (name, result)
+        assert result.startswith("bitwise equal over 4 steps; TFLOP/s"), (name, result)
 
 
 def test_numerics_matrix_refuses_an_unknown_row_or_a_selection_of_none():
