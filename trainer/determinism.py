@@ -10,6 +10,10 @@ import random
 import numpy as np
 import torch
 
+# NCCL algorithms whose reductions run in a fixed order (Megatron's deterministic mode allows the same);
+# NVLS and NVLSTree reduce in the NVLink switch, PAT is not checked: a user's choice of those is replaced.
+_DETERMINISTIC_NCCL_ALGOS = {"ring", "tree", "collnetdirect", "collnetchain"}
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -19,12 +23,11 @@ def seed_everything(seed: int) -> None:
 
 def enable_deterministic(device_type: str) -> None:
     if device_type == "cuda":
-        # A user's own choice stays where it is deterministic: one NCCL algorithm (a list, "Tree,Ring", or
-        # an exclusion, "^Tree", lets NCCL pick per size), and torch itself refuses a cuBLAS workspace
-        # setting that is not ":4096:8" or ":16:8".
+        # A user's own choice stays where it is deterministic: one fixed-order NCCL algorithm (a list,
+        # "Tree,Ring", or an exclusion, "^Tree", lets NCCL pick per size), and torch itself refuses a
+        # cuBLAS workspace setting that is not ":4096:8" or ":16:8".
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        algo = os.environ.get("NCCL_ALGO", "")
-        if not algo or "," in algo or algo.startswith("^"):
+        if os.environ.get("NCCL_ALGO", "").lower() not in _DETERMINISTIC_NCCL_ALGOS:
             os.environ["NCCL_ALGO"] = "Ring"
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False

@@ -17,9 +17,12 @@ def restore_torch_flags():
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
 
 
-@pytest.mark.parametrize("user_algo, algo", [(None, "Ring"), ("Tree", "Tree"), ("Tree,Ring", "Ring"), ("^Tree", "Ring")])
+@pytest.mark.parametrize("user_algo, algo", [(None, "Ring"), ("Tree", "Tree"), ("Tree,Ring", "Ring"), ("^Tree", "Ring"),
+                                             ("CollnetDirect", "CollnetDirect"), ("NVLS", "Ring"), ("nvlstree", "Ring"),
+                                             ("PAT", "Ring")])
 def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, restore_torch_flags, user_algo, algo):
-    """A user's single NCCL algorithm is as deterministic as Ring; a list or an exclusion is not."""
+    """A user's single fixed-order NCCL algorithm is as deterministic as Ring; a list, an exclusion, or
+    NVLS (reduced in the NVLink switch) is not."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     if user_algo is not None:
