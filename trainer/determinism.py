@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # NCCL algorithms whose reductions run in a fixed order (Megatron's deterministic mode allows the same);
-# NVLS and NVLSTree reduce in the NVLink switch, PAT is not checked: a user's choice of those is replaced.
+# NVLS and NVLSTree reduce in the NVLink switch, and PAT is not among them: a user's choice of those is replaced.
 _DETERMINISTIC_NCCL_ALGOS = {"ring", "tree", "collnetdirect", "collnetchain"}
 
 
