@@ -27,6 +27,8 @@ def enable_deterministic(device_type: str) -> None:
         # "Tree,Ring", or an exclusion, "^Tree", lets NCCL pick per size), and torch itself refuses a
         # cuBLAS workspace setting that is not ":4096:8" or ":16:8".
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # TransformerEngine (model.use_te_layers) otherwise may pick non-deterministic kernels.
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         if os.environ.get("NCCL_ALGO", "").lower() not in _DETERMINISTIC_NCCL_ALGOS:
             os.environ["NCCL_ALGO"] = "Ring"
         torch.backends.cudnn.deterministic = True

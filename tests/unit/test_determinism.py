@@ -25,10 +25,12 @@ def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, re
     NVLS (reduced in the NVLink switch) is not."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
     if user_algo is not None:
         monkeypatch.setenv("NCCL_ALGO", user_algo)
     enable_deterministic("cuda")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == algo
+    assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
 
@@ -36,6 +38,8 @@ def test_cuda_switches_fill_in_what_the_environment_leaves_unset(monkeypatch, re
 def test_cpu_sets_no_cuda_environment(monkeypatch, restore_torch_flags):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
     enable_deterministic("cpu")
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "NCCL_ALGO" not in os.environ
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ
     assert torch.are_deterministic_algorithms_enabled()
