@@ -3,10 +3,12 @@
     python scripts/launch_command.py --nnodes N --nproc-per-node P --rdzv-endpoint HOST:PORT \
         --rdzv-id ID [--hosts-rendezvous true|false] [--dump-dir DIR] [--max-restarts N] -- [hydra overrides]
 
-prints it shell-quoted. Overrides pass through unchanged; a default `dump_dir` and `stop_signal=USR1`
-(checkpoint and exit on Slurm's warning signal) are added unless the overrides set them; a bad override
-is one `error:` line (exit 2), as train.py would give it, and a `stop_signal` other than USR1 is
-refused (the workers would ignore the scheduler's warning).
+prints it shell-quoted. Overrides pass through unchanged; `stop_signal=USR1` (checkpoint and exit on
+Slurm's warning signal) is added unless the overrides set it, and the launcher's default `dump_dir`
+only where the composed config leaves dump_dir at config.yaml's own (a `dump_dir=...` override, or a
+config the overrides pick that sets it, `experiment=cpu_demo`, keeps its folder, as under a plain
+torchrun); a bad override is one `error:` line (exit 2), as train.py would give it, and a `stop_signal`
+other than USR1 is refused (the workers would ignore the scheduler's warning).
 
 The rendezvous port of a job is 29500 + job id % 3000 (an array task's id, 123_4, counts as 123 + 4):
 below Linux's ephemeral ports (32768 up), and the same for two jobs on one head node only when their
@@ -56,19 +58,24 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def override_keys(overrides: list[str]) -> set[str]:
+    """The config keys the overrides set (not the bare flags among them)."""
+    return {override_key(o) for o in overrides if "=" in o}
+
+
 def torchrun_args(nnodes: int, nproc_per_node: int | str, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
                   dump_dir: str | None = None, python: str = "python", stop_signal: str = DEFAULT_STOP_SIGNAL,
                   max_restarts: int = 0, hosts_rendezvous: bool | None = None) -> list[str]:
-    """argv of torchrun on one node, running train.py with the overrides; `max_restarts`: torchrun
+    """argv of torchrun on one node, running train.py with the overrides; `dump_dir`: the launcher's
+    default, passed only where the config leaves dump_dir at its own default; `max_restarts`: torchrun
     restarts the whole group that often when a worker dies (the run resumes from its newest checkpoint);
     `hosts_rendezvous`: whether this node hosts the rendezvous store (None: torch guesses from the
     endpoint's host name); `nproc_per_node` "gpu": as many as the node has GPUs."""
     if nnodes < 1 or (nproc_per_node != "gpu" and nproc_per_node < 1) or max_restarts < 0:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be at least 1, "
                          f"max_restarts={max_restarts} at least 0")
-    given = {override_key(o): o for o in overrides if "=" in o}
-    extra = [] if dump_dir is None or "dump_dir" in given else [f"dump_dir={dump_dir}"]
-    extra += [] if "stop_signal" in given else [f"stop_signal={stop_signal}"]
+    extra = [f"dump_dir={dump_dir}"] if dump_dir is not None and launcher_dump_dir_applies(overrides) else []
+    extra += [] if "stop_signal" in override_keys(overrides) else [f"stop_signal={stop_signal}"]
     host = [] if hosts_rendezvous is None else [f"--rdzv_conf=is_host={str(hosts_rendezvous).lower()}"]
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
@@ -100,16 +107,32 @@ def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
                  f"stop_signal out (the launcher sets stop_signal={scheduler_signal})")
 
 
-def dump_dir_of(overrides: list[str], default: str | None) -> str:
-    """Where the run writes, as the trainer will see it: the config composed with the overrides (`default`
-    first when none sets dump_dir), so quoting and interpolations (`${oc.env:SCRATCH}/run`) are resolved."""
+def composed_dump_dir(overrides: list[str]) -> str:
+    """dump_dir of the config composed with the overrides (`~` not expanded yet), as the trainer resolves
+    it: quoting and interpolations (`${oc.env:SCRATCH}/run`) too. A bad override is train.py's one line."""
     from hydra import compose, initialize_config_dir
 
     check_overrides_here(overrides)
-    if default is not None and "dump_dir" not in {override_key(o) for o in overrides if "=" in o}:
-        overrides = [f"dump_dir={hydra_quoted(default)}", *overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return os.path.expanduser(str(compose(config_name="config", overrides=overrides).dump_dir))  # as the trainer
+        return str(compose(config_name="config", overrides=overrides).dump_dir)
+
+
+def launcher_dump_dir_applies(overrides: list[str]) -> bool:
+    """Whether a launcher's default dump_dir (dump/slurm-<job id>, ...) replaces config.yaml's own: only
+    where nothing else sets it, neither an override nor a config the overrides pick (experiment=cpu_demo),
+    so a launched run writes (and resumes) where a plain torchrun run would."""
+    from omegaconf import OmegaConf
+
+    if "dump_dir" in override_keys(overrides):
+        return False
+    return composed_dump_dir(overrides) == OmegaConf.load(REPO / "conf" / "config.yaml").dump_dir
+
+
+def dump_dir_of(overrides: list[str], default: str | None) -> str:
+    """Where the run writes, as the trainer will see it: the launcher's `default` where it applies
+    (launcher_dump_dir_applies), else the dump_dir of the config composed with the overrides."""
+    applies = default is not None and launcher_dump_dir_applies(overrides)
+    return os.path.expanduser(default if applies else composed_dump_dir(overrides))  # `~` as the trainer
 
 
 def hydra_quoted(value: str) -> str:

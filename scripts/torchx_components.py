@@ -33,7 +33,9 @@ def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoi
           rdzv_id: Optional[str] = None, gpus_per_node: int = 0, image: str = ".", python: str = "python",
           dump_dir: Optional[str] = None, max_restarts: int = 0) -> AppDef:
     """The trainer as a TorchX app: `overrides` are hydra overrides (model=small steps=1000 ...); ranks per
-    node: `nproc_per_node`, else (0) one per GPU (`gpus_per_node`), else 1, as the other launchers."""
+    node: `nproc_per_node`, else (0) one per GPU (`gpus_per_node`), else 1, as the other launchers;
+    `dump_dir`: the folder where the config leaves dump_dir at its default (dump/torchx-<app id> if not
+    given)."""
     if specs is None:
         raise ImportError("scripts/torchx_components.py needs TorchX: pip install torchx")
     if rdzv_endpoint is None:

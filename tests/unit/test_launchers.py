@@ -149,6 +149,17 @@ def test_the_dump_dir_the_batch_script_checks_is_the_one_the_run_writes():
     assert dump_dir_of(["dump_dir='~/run1'"], None) == str(Path.home() / "run1")  # as TrainConfig expands it
 
 
+def test_a_dump_dir_from_a_picked_config_beats_the_launchers_default(tmp_path):
+    """experiment=cpu_demo sets dump_dir=dump/cpu_demo: a plain torchrun writes (and resumes) there, so
+    every launcher does too; its default only replaces config.yaml's own dump_dir."""
+    from scripts.launch_command import dump_dir_of
+
+    assert dump_dir_of(["experiment=cpu_demo"], "dump/slurm-7") == "dump/cpu_demo"
+    assert dump_dir_of(["dump_dir=dump/default"], "dump/slurm-7") == "dump/default"  # said: kept
+    command = _sbatch_command(tmp_path, ["experiment=cpu_demo", "model=tiny"])
+    assert not [a for a in command if "dump_dir" in a], command
+
+
 def test_a_stopped_job_requeues_whatever_form_its_dump_dir_override_takes(tmp_path):
     """The script looks for stopped.json where the trainer writes it: a quoted dump_dir, or one from an
     interpolation, is the folder the config resolves, not the override's text."""
