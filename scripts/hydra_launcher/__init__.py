@@ -11,7 +11,8 @@ command as every other launcher (`scripts/launch_command.py`) with `dump_dir={du
 (the point's own dump_dir as the config resolves it, made absolute against the directory hydra was
 started in, where the points run too, so relative paths in overrides mean the same), and run it here
 one point after another (`torchrun`) or submit it as a Slurm job through submitit
-(`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue).
+(`torchrun_slurm`, the same task as `scripts/launch.py`: checkpoint on the warning signal, requeue;
+a point's `stop_signal` other than submitit's is refused before any point is submitted).
 A point that fails marks the sweep failed (hydra then exits non-zero); the other points still run.
 
 Hydra takes launchers only from the `hydra_plugins` package: pyproject maps this folder there. The
@@ -73,8 +74,11 @@ class TorchrunLauncher(Launcher):
         return None if code == 0 else RuntimeError(f"sweep point {job} ({' '.join(overrides)}): torchrun exited {code}")
 
     def _run_on_slurm(self, points: list[tuple[int, list[str]]]) -> list[JobReturn]:
-        from scripts.launch import REPO, TrainOnNode, slurm_executor
+        from scripts.launch import REPO, TrainOnNode, slurm_executor, submitit_signal
+        from scripts.launch_command import check_stop_signal
 
+        for _, overrides in points:  # before anything is submitted, as scripts/launch.py
+            check_stop_signal(overrides, submitit_signal())
         s = self.slurm
         executor = slurm_executor(REPO / str(s.logs), s.nodes, s.gpus_per_node, s.timeout_min, s.partition)
         jobs = [(overrides, executor.submit(TrainOnNode(overrides, self.nproc_per_node, sys.executable)))

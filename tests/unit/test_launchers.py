@@ -71,6 +71,22 @@ def test_launch_py_refuses_a_bad_override_in_one_line():
     assert "model/tinyy" in done.stderr
 
 
+def test_a_slurm_sweep_refuses_a_stop_signal_submitit_does_not_send(tmp_path):
+    """As scripts/launch.py: with another stop_signal the workers ignore submitit's SIGUSR2 and a point dies
+    at its time limit without a checkpoint or a requeue. Every point is checked before any is submitted."""
+    bin_dir = tmp_path / "bin"  # an sbatch that only notes a submission
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/submitted\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    done = subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=torchrun_slurm", "model=tiny",
+                           f"hydra.launcher.slurm.logs={tmp_path / 'logs'}", f"dump_dir={tmp_path / 'sweep'}",
+                           "stop_signal=USR2,null"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode != 0 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: stop_signal=null: the scheduler sends SIGUSR2"), done.stderr
+    assert not (tmp_path / "submitted").exists()
+
+
 def test_array_task_ids_get_ports_and_a_failed_stop_is_not_requeued(tmp_path):
     """submitit's array and batch jobs have ids like 1234_5; a torchrun that failed after the stop
     signal (its save failed) is not requeued: each requeue would train to the next limit and fail."""
