@@ -48,9 +48,11 @@ class TrainOnNode:
         import submitit
 
         env = submitit.JobEnvironment()
-        stop_signal = submitit_signal()
+        stop_signal, default_dump = submitit_signal(), f"dump/submitit-{env.job_id}"
+        if env.node == 0:  # before any node's torchrun starts: no worker can have stopped yet
+            self.forget_an_earlier_stop(default_dump)
         argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{rendezvous_port(env.job_id)}",
-                             str(env.job_id), self.overrides, f"dump/submitit-{env.job_id}", self.python, stop_signal,
+                             str(env.job_id), self.overrides, default_dump, self.python, stop_signal,
                              self.max_restarts, hosts_rendezvous=env.node == 0)
         # An ignored signal stays ignored across exec: the agent keeps it so; the workers set a handler.
         ignore = partial(signal.signal, signal.Signals[f"SIG{stop_signal}"], signal.SIG_IGN)
@@ -59,6 +61,14 @@ class TrainOnNode:
         if code != 0:
             raise RuntimeError(f"torchrun exited with {code}")
         return code
+
+    def forget_an_earlier_stop(self, default_dump: str) -> None:
+        """Only this run's stop counts, as in train.sbatch: a requeued job keeps its id, so the marker its
+        previous run left (still there when torchrun's first attempt died before the trainer took the
+        dump_dir over) would read as its own to the next attempt, which would stop at once, untrained."""
+        from trainer.preemption import STOPPED_FILE
+
+        (Path(self.cwd) / dump_dir_of(self.overrides, default_dump) / STOPPED_FILE).unlink(missing_ok=True)
 
     def checkpoint(self) -> object:
         """Runs inside submitit's signal handler, on the main thread, which may be inside __call__'s

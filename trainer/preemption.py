@@ -10,7 +10,9 @@ stop after the same step). The stopped job saves a checkpoint of that step, writ
 and exits 0. A job removes an earlier job's stopped.json as soon as it owns the dump_dir, before anything
 can end it: a job that ends early (nothing left to train) must not leave one behind for its batch
 script to requeue on. A torchrun restart of the same job (a worker failed after the stop) finds its own
-stopped.json and stops at once: training on would end at the time limit, unrequeued.
+stopped.json and stops at once: training on would end at the time limit, unrequeued. A requeued job
+keeps its id: the launchers that requeue (train.sbatch, scripts/launch.py) remove the marker before
+each run starts torchrun, so a restart never takes the previous run's stop for its own.
 """
 
 import json

@@ -101,6 +101,30 @@ def test_array_task_ids_get_ports_and_a_failed_stop_is_not_requeued(tmp_path):
         assert (node.checkpoint() is not None) == requeued
 
 
+def test_a_requeued_submitit_job_does_not_take_its_previous_runs_stop_for_its_own(tmp_path, monkeypatch):
+    """The job stopped on its signal (stopped.json of job 4242, step 500) and submitit requeued it under
+    the same id; torchrun's attempt 0 died in start-up, before the trainer took the dump_dir over. Attempt
+    1 (the stand-in for torchrun here) must not find the old marker: it would stop at once, exit 0."""
+    import submitit
+
+    from scripts.launch import TrainOnNode
+
+    class Job:  # submitit's view of the requeued job's first node
+        USR_SIG, job_id, num_nodes, node, hostnames = "USR2", "4242", 1, 0, ["node7"]
+
+    monkeypatch.setattr(submitit, "JobEnvironment", Job)
+    dump = tmp_path / "dump" / "submitit-4242"  # the launcher's default, relative to the submit directory
+    dump.mkdir(parents=True)
+    (dump / "stopped.json").write_text('{"job": "4242", "step": 500, "signal": "SIGUSR2"}')
+    attempt_1 = tmp_path / "torchrun"
+    attempt_1.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
+                         "from pathlib import Path\nfrom trainer.preemption import take_over_stop_marker\n"
+                         f"stopped = take_over_stop_marker(Path({str(dump)!r}), '4242', 1)\n"
+                         "sys.exit(0 if stopped is None else 3)\n")
+    attempt_1.chmod(0o755)
+    assert TrainOnNode(["model=tiny"], 1, str(attempt_1), cwd=str(tmp_path))() == 0
+
+
 def test_torchx_component_runs_the_sbatch_command(tmp_path):
     import torchx  # noqa: F401  (the dev extra: a missing install fails here rather than skipping)
 
