@@ -150,7 +150,9 @@ class LaunchEnv:
             rank=int(env.get("RANK", 0)),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
-            torchrun="MASTER_ADDR" in env and "MASTER_PORT" in env,
+            # All four, as torchrun sets them: a lone process in a shell that exports MASTER_ADDR and
+            # MASTER_PORT (for other jobs) would otherwise bind or join that address's store.
+            torchrun=all(key in env for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")),
             run_id=_run_id(env),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )

@@ -255,3 +255,19 @@ def test_a_slurm_sweep_runs_one_rank_per_gpu_unless_told_otherwise():
     assert launcher().nproc_per_node == 1
     assert launcher("hydra.launcher.slurm.gpus_per_node=8", "hydra.launcher.nproc_per_node=2").nproc_per_node == 2
     assert launcher("hydra.launcher.slurm.gpus_per_node=null").nproc_per_node == 1
+
+
+def test_a_lone_process_in_a_shell_that_exports_a_master_address_runs_alone(monkeypatch):
+    """torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE; the first two alone, left in a shell
+    for other jobs, must not make `python train.py` join that address's store."""
+    from parallel.mesh import LaunchEnv
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not LaunchEnv.from_torchrun().torchrun
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launch = LaunchEnv.from_torchrun()
+    assert launch.torchrun and (launch.rank, launch.world_size) == (1, 2)
