@@ -4,106 +4,27 @@ from trainer import early_signals
 
 early_signals.hold()  # before the imports: seconds in which a scheduler's warning would be dropped
 
-import os
-import re
 import signal
 import sys
-import time
-from pathlib import Path
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
-from parallel.mesh import LaunchEnv
-from trainer.config import from_dict, unknown_key
+from parallel.launch_env import LaunchEnv
+from trainer.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger
+from trainer.config import from_dict
 from trainer.run import run
 from trainer.validate import validate
 
-RANK0_FIRST_S = 2.0
 PEERS_TIME_OUT_S = 3.0
-CONF_DIR = Path(__file__).resolve().parent / "conf"
-# conf/config.yaml's sweep folder expands `~` in dump_dir as TrainConfig does.
-OmegaConf.register_new_resolver("expanduser", os.path.expanduser, replace=True)
-CONFIG_GROUPS = {p.parent.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR}
-
-
-def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
-    """Hydra reports a bad override (an unknown key, a missing config option, broken syntax) in several
-    lines and exits 1 before the trainer runs: compose the config first, so that it is one `error:` line
-    and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps, and sweeps asked for
-    by hydra.mode=MULTIRUN) go to it unchecked, except for deletions."""
-    deletions = [o for o in overrides if o.startswith("~")]
-    if deletions:  # the trainer would fill the deleted key with its built-in default, without a word
-        exit_on_bad_input(f"{deletions[0]}: deleting a config key is not supported; set its value instead", launch,
-                          code=2)
-    if any(arg.startswith("-") or arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
-        return
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            compose(config_name="config", overrides=overrides)
-    except HydraException as e:
-        unknown = unknown_override_key(e)
-        exit_on_bad_input(unknown_key(unknown) if unknown else one_line(e), launch, code=2)
-    except ValueError as e:  # hydra's own wording for e.g. `data=null` or `optim=3`, without the override
-        offending = [o for o in overrides if is_bad_group_choice(o)] or overrides
-        exit_on_bad_input(f"{' '.join(offending)}: {e}", launch, code=2)
-
-
-def unknown_override_key(e: HydraException) -> str | None:
-    """`optim.lrr=1e-3`, `optimm.lr=1e-3`: the trainer's key that hydra could not override because it
-    does not exist. Hydra suggests adding it with `+`, which the trainer then refuses as unknown: say so
-    at once."""
-    named = re.match(r"Could not override '([^']+)'", str(e))
-    if named is None or not isinstance(e.__cause__, ConfigAttributeError | ConfigKeyError):
-        return None
-    key = named.group(1)
-    return None if key.startswith("hydra.") else key
-
-
-def is_bad_group_choice(override: str) -> bool:
-    """`group=value` for a config group (a folder of conf/) whose value is neither a name nor a list of
-    names (hydra's rule), e.g. `optim=3` or `data=null`."""
-    parsed = OverridesParser.create().parse_overrides([override])[0]
-    return parsed.key_or_group in CONFIG_GROUPS and not isinstance(parsed.value(), str | list)
-
-
-def one_line(e: HydraException) -> str:
-    lines = [line.strip().rstrip(".") for line in str(e).splitlines()]
-    if isinstance(e, MissingConfigException) and e.options:
-        return f"{lines[0]} (available: {' | '.join(e.options)})"
-    text = "; ".join(line for line in lines if line and not line.startswith("See https://"))
-    if isinstance(e, OverrideParseException) and e.override not in text:
-        text = f"override '{e.override}': {text}"
-    return text
-
-
-def exit_on_bad_input(message: str, launch: LaunchEnv, code: int) -> None:
-    """Every rank sees the same bad input: one line from rank 0, every rank exits `code`. The others
-    leave a moment later: torchrun stops the whole group as soon as one worker exits, which could kill
-    rank 0 before it has printed."""
-    if launch.rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        linger(RANK0_FIRST_S)
-    sys.exit(code)
-
-
-def linger(seconds: float) -> None:
-    """Wait before exiting with a failure already decided: torchrun's SIGTERM, which comes as soon as
-    another rank has exited, now just ends this rank (no traceback, no second line)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(seconds)
 
 
 def sweep_job_dump_dir(raw: dict, launch: LaunchEnv) -> None:

@@ -1,8 +1,10 @@
 """Model hyperparameters of a Llama-3-style decoder, and the sizes derived from them."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from model.fp8 import Fp8Recipe
+if TYPE_CHECKING:  # the config (and so every launcher's override check) reads these args without torch
+    from model.fp8 import Fp8Recipe
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,11 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def fp8_recipe(self) -> Fp8Recipe | None:
+    def fp8_recipe(self) -> "Fp8Recipe | None":
         """The scaling recipe of the block linears' GEMMs; None when they run in the compute dtype."""
         if not self.use_fp8:
             return None
+        from model.fp8 import Fp8Recipe
+
         return Fp8Recipe(self.fp8_format, self.fp8_margin, self.fp8_amax_history_len, self.fp8_amax_compute_algo,
                          self.fp8_wgrad)

@@ -8,9 +8,6 @@ instead of a hang.
 """
 
 import gc
-import os
-import socket
-import time
 from datetime import timedelta
 from functools import partial
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import comm
 from parallel.errors import ConfigError
+from parallel.launch_env import LaunchEnv
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEFAULT_TIMEOUT_S = 600.0  # the comm_timeout_s default
@@ -130,45 +128,6 @@ class ParallelMesh:
     @property
     def dp_rank(self) -> int:
         return self.rank_in("dp")
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, from torchrun's variables (a lone process is rank 0 of 1)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    torchrun: bool
-    run_id: str  # torchrun's rendezvous run id (unique for a lone process): names the job (lock, metrics)
-    restart_count: int = 0  # how many times torchrun has restarted the worker group (--max-restarts)
-
-    @classmethod
-    def from_torchrun(cls) -> "LaunchEnv":
-        env = os.environ
-        return cls(
-            rank=int(env.get("RANK", 0)),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
-            # All four, as torchrun sets them: a lone process in a shell that exports MASTER_ADDR and
-            # MASTER_PORT (for other jobs) would otherwise bind or join that address's store.
-            torchrun=all(key in env for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")),
-            run_id=_run_id(env),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        )
-
-
-def _run_id(env: os._Environ) -> str:
-    """torchrun's rendezvous id; a lone process's is unique. A static launch without --rdzv_id gets
-    torchrun's default "none", the same for every job: its agent (this worker's parent, the same
-    across the agent's restarts of the group) names the job then, as rank 0 sees it (run.py shares
-    rank 0's id)."""
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if not run_id:
-        return f"local-{os.getpid()}-{time.time_ns()}"
-    if run_id == "none":
-        return f"none-{socket.gethostname()}-{os.getppid()}"
-    return run_id
 
 
 def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

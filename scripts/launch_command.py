@@ -88,8 +88,8 @@ def torchrun_args(nnodes: int, nproc_per_node: int | str, rdzv_endpoint: str, rd
 def check_overrides_here(overrides: list[str]) -> None:
     """Before a job is submitted: a bad override is train.py's one `error:` line (exit 2), not a
     traceback (after the submission, for a job that would fail)."""
-    from parallel.mesh import LaunchEnv
-    from train import check_overrides
+    from parallel.launch_env import LaunchEnv
+    from trainer.cli import check_overrides
 
     check_overrides(overrides, LaunchEnv.from_torchrun())
 

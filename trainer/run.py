@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from parallel.errors import ConfigError
-from parallel.mesh import LaunchEnv, ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
+from parallel.launch_env import LaunchEnv
+from parallel.mesh import ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import schedule_actions
 from parallel.random import RNGStreams

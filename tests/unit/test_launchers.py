@@ -260,7 +260,7 @@ def test_a_slurm_sweep_runs_one_rank_per_gpu_unless_told_otherwise():
 def test_a_lone_process_in_a_shell_that_exports_a_master_address_runs_alone(monkeypatch):
     """torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE; the first two alone, left in a shell
     for other jobs, must not make `python train.py` join that address's store."""
-    from parallel.mesh import LaunchEnv
+    from parallel.launch_env import LaunchEnv
 
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -271,3 +271,12 @@ def test_a_lone_process_in_a_shell_that_exports_a_master_address_runs_alone(monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     launch = LaunchEnv.from_torchrun()
     assert launch.torchrun and (launch.rank, launch.world_size) == (1, 2)
+
+
+def test_the_launchers_override_check_imports_no_torch():
+    """Every launcher checks a job's overrides before submitting it (train.sbatch three times): without
+    torch that takes well under a second instead of seconds of imports."""
+    check = ("import sys; from scripts.launch_command import dump_dir_of; dump_dir_of(['model=tiny'], None); "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[:300] + done.stderr[-2000:]
