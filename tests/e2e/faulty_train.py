@@ -6,7 +6,6 @@ POINT is where in step STEP worker RANK dies:
   step_start   as the step begins
   backward     at the step's first gradient reduce-scatter (inside autograd)
   optimizer    before the optimizer update
-  save_begin   entering the checkpoint save after the step, before any shard is written
   save_shards  right after this rank's own checkpoint shard is written (others may still be writing)
   save_rename  after the manifest is written, before the folder is renamed into place (rank 0 writes it)
 (the save points go by the checkpoint's folder, so with checkpoint.async_save they fire in the
@@ -34,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-POINTS = ("step_start", "backward", "optimizer", "save_begin", "save_shards", "save_rename")
+POINTS = ("step_start", "backward", "optimizer", "save_shards", "save_rename")
 STALL_S = 60.0
 
 
@@ -54,7 +53,7 @@ def arm(point: str, step: int) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from parallel import comm
-    from trainer import checkpoint, dcp_io, loop, optimizer
+    from trainer import checkpoint, loop, optimizer
 
     current = {"step": 0}
     train_step = loop.Trainer.train_step
@@ -96,7 +95,6 @@ def arm(point: str, step: int) -> None:
     wrap = {
         "backward": (comm, "reduce_scatter_tensor", lambda *a, **k: current["step"] == step),
         "optimizer": (optimizer.NamedAdamW, "step", lambda *a, **k: current["step"] == step),
-        "save_begin": (dcp_io, "save_state", lambda state, folder, group: _saving(folder, step)),
     }
     if point in wrap:
         owner, name, when = wrap[point]

@@ -34,13 +34,13 @@ def assert_recovered(proc: subprocess.CompletedProcess, dump_dir: Path, fault: s
 
 
 @pytest.mark.parametrize("fault, async_save", [
-    ("save_begin:4:1", False), ("save_shards:4:1", False), ("save_rename:4:0", False), ("step_start:2:0", False),
+    ("save_shards:4:1", False), ("save_rename:4:0", False), ("step_start:2:0", False),
     ("save_shards:4:1", True),  # the background writer killed while the next step runs
 ])
 def test_a_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, straight, fault, async_save):
-    """Before any shard, between shards (the victim's own is written), and after the manifest but
-    before the rename, also in checkpoint.async_save's background thread while the next step runs: the
-    half-written step_4 is never loaded; step_2 (kept, as pruning only follows a complete save) is.
+    """Between shards (the victim's own is written, so the folder holds some shards but no manifest),
+    and after the manifest but before the rename, also in checkpoint.async_save's background thread
+    while the next step runs: the half-written step_4 is never loaded; step_2 (kept, as pruning only follows a complete save) is.
     Killed before the first checkpoint, the group starts over: the metrics it finds are its own earlier
     attempt's (same job), which move to the superseded file."""
     proc = run_with_fault(tmp_path / "dump", fault, f"checkpoint.async_save={str(async_save).lower()}")

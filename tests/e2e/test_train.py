@@ -19,10 +19,14 @@ CONTRACT_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time
 
 LAYOUTS = {  # name: (ranks, overrides); every layout sees the same 4-sequence global batch
     "dp1": (1, ("batch_size=4",)),
-    "dp2": (2, ("batch_size=2", "reshard_after_forward=false")),
+    # Also test_deterministic_runs_are_bitwise_identical's first run: two microbatches per step.
+    "dp2": (2, ("batch_size=2", "microbatch_size=1", "reshard_after_forward=false",
+                "enable_deterministic_training=true")),
     "dp4": (4, ("batch_size=1",)),
     "hsdp2x2": (4, ("batch_size=1", "dp_replicate=2", "optimize_backward_concat=true")),
-    "tp2sp": (2, ("batch_size=4", "model_parallel_size=2", "model.sequence_parallel=true")),
+    # These two save step 3, which test_resume_is_bitwise resumes from.
+    "tp2sp": (2, ("batch_size=4", "model_parallel_size=2", "model.sequence_parallel=true", "checkpoint.freq=3")),
+    "cp2ring": (2, ("batch_size=4", "context_parallel_size=2", "context_parallel_comm=ring", "checkpoint.freq=3")),
     # Its step-3 checkpoint is the one test_a_checkpoint_resumes_on_other_layouts reshards.
     "tp2dp2": (4, ("batch_size=2", "model_parallel_size=2", "microbatch_size=2", "checkpoint.freq=3")),
 }
@@ -77,26 +81,27 @@ def test_metrics_contract(layout_runs):
             assert {op: v["count"] for op, v in records[-1]["comm"].items()} == expected[name], name
 
 
-RESUME_LAYOUTS = {  # the first two are layout_runs' (ZeRO-2 and tp x SP), whose runs are the straight ones
-    "dp2": LAYOUTS["dp2"][1],
-    "tp2sp": LAYOUTS["tp2sp"][1],
-    "cp2ring": ("batch_size=4", "context_parallel_size=2", "context_parallel_comm=ring"),
-}
-
-
-@pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
-def test_resume_is_bitwise(tmp_path, layout_runs, name):
-    layout = RESUME_LAYOUTS[name]
-    straight_run = layout_runs[name] if name in layout_runs else train_ok(2, tmp_path / "straight", *FAST, "steps=6", *layout)
-    straight = {r["step"]: (r["loss"], r["grad_norm"]) for r in straight_run}
+@pytest.mark.parametrize("name", ["dp2", "tp2sp", "cp2ring"])  # ZeRO-2 with microbatches, tp x SP, cp
+def test_resume_is_bitwise(tmp_path, layout_dirs, layout_runs, name):
+    """Steps 4-6 resumed from step 3 equal layout_runs' straight run. dp2 goes through a job that died
+    after step 4 in the same dump_dir (the redone step is logged once); the others resume the straight
+    run's own step-3 checkpoint in a new dump_dir."""
+    nproc, layout = LAYOUTS[name]
+    straight = {r["step"]: (r["loss"], r["grad_norm"]) for r in layout_runs[name]}
     resumed_dir = tmp_path / "resumed"
-    # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
-    train_ok(2, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
-    assert (resumed_dir / "checkpoints" / "step_3" / "manifest.json").is_file()
-    died_before_saving(resumed_dir, 4)
-    train_ok(2, resumed_dir, *FAST, "steps=6", "checkpoint.freq=3", *layout)
+    if name == "dp2":
+        # The first job dies after step 4 of the same 6-step LR schedule, its last checkpoint at step 3.
+        train_ok(nproc, resumed_dir, *FAST, "steps=4", "optim.decay_steps=6", "checkpoint.freq=3", *layout)
+        assert (resumed_dir / "checkpoints" / "step_3" / "manifest.json").is_file()
+        died_before_saving(resumed_dir, 4)
+        train_ok(nproc, resumed_dir, *FAST, "steps=6", "checkpoint.freq=3", *layout)
+        steps = [1, 2, 3, 4, 5, 6]
+    else:
+        shutil.copytree(layout_dirs[name] / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+        train_ok(nproc, resumed_dir, *FAST, "steps=6", *layout)
+        steps = [4, 5, 6]
     records = metrics(resumed_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # step 4 was redone, and logged once
+    assert [r["step"] for r in records] == steps
     resumed = {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
     for step in (4, 5, 6):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
@@ -125,16 +130,17 @@ def test_a_checkpoint_resumes_on_other_layouts(tmp_path, layout_dirs, layout_run
                 assert math.isclose(record[key], want, rel_tol=1e-5), (name, record["step"], key, record[key], want)
 
 
-def test_deterministic_runs_are_bitwise_identical(tmp_path, capsys):
-    """Two runs compare bitwise equal; the same comparison catches a run perturbed by one part in 1e5
-    of the LR (so it is not equality by construction, e.g. of two copies of one file). One part in
-    1e7 moves the weights by less than an fp32 ulp in most places and may round away entirely."""
-    args = (*FAST, "steps=4", "batch_size=4", "microbatch_size=2", "enable_deterministic_training=true")
-    first = losses(train_ok(2, tmp_path / "a", *args))
-    second = losses(train_ok(2, tmp_path / "b", *args))
-    assert first == second
-    train_ok(2, tmp_path / "perturbed", *args, "optim.lr=1.00001e-2")
-    assert compare_runs([str(tmp_path / "a"), str(tmp_path / "b"), "--brief"]) == 0
-    assert compare_runs([str(tmp_path / "a"), str(tmp_path / "perturbed"), "--brief"]) == 1
+def test_deterministic_runs_are_bitwise_identical(tmp_path, layout_dirs, layout_runs, capsys):
+    """A second deterministic run of layout dp2 compares bitwise equal to layout_runs' one; the same
+    comparison catches a run perturbed by one part in 1e5 of the LR (so it is not equality by
+    construction, e.g. of two copies of one file). One part in 1e7 moves the weights by less than an
+    fp32 ulp in most places and may round away entirely."""
+    nproc, layout = LAYOUTS["dp2"]
+    second = losses(train_ok(nproc, tmp_path / "b", *FAST, "steps=6", *layout))
+    assert second == losses(layout_runs["dp2"])
+    train_ok(nproc, tmp_path / "perturbed", *FAST, "steps=6", *layout, "optim.lr=1.00001e-2")
+    first = str(layout_dirs["dp2"])
+    assert compare_runs([first, str(tmp_path / "b"), "--brief"]) == 0
+    assert compare_runs([first, str(tmp_path / "perturbed"), "--brief"]) == 1
     verdicts = capsys.readouterr().out.splitlines()
-    assert verdicts[0].startswith("bitwise equal over 4 steps") and "max rel diff" in verdicts[1], verdicts
+    assert verdicts[0].startswith("bitwise equal over 6 steps") and "max rel diff" in verdicts[1], verdicts
