@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
