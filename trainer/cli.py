@@ -2,7 +2,8 @@
 every rank exits on bad input.
 
 Without torch, so that the launchers (the Slurm batch script, submitit, TorchX, the sweep launchers)
-check a job's overrides in a fraction of a second before submitting it.
+check a job's overrides in about a second (not the several that importing torch takes) before
+submitting it.
 """
 
 import os

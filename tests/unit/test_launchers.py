@@ -275,7 +275,7 @@ def test_a_lone_process_in_a_shell_that_exports_a_master_address_runs_alone(monk
 
 def test_the_launchers_override_check_imports_no_torch():
     """Every launcher checks a job's overrides before submitting it (train.sbatch three times): without
-    torch that takes well under a second instead of seconds of imports."""
+    torch that takes about a second instead of several."""
     check = ("import sys; from scripts.launch_command import dump_dir_of; dump_dir_of(['model=tiny'], None); "
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True)
