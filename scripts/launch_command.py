@@ -18,6 +18,7 @@ torch's guess, a head node whose port another job holds would silently join that
 """
 
 import argparse
+import functools
 import os
 import shlex
 import socket
@@ -110,8 +111,14 @@ def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
 def composed_dump_dir(overrides: list[str]) -> str:
     """dump_dir of the config composed with the overrides (`~` not expanded yet), as the trainer resolves
     it: quoting and interpolations (`${oc.env:SCRATCH}/run`) too. A bad override is train.py's one line."""
+    return _composed_dump_dir(tuple(overrides))
+
+
+@functools.cache  # dump_dir_of and torchrun_args each ask (twice per call at most): compose once
+def _composed_dump_dir(overrides: tuple[str, ...]) -> str:
     from hydra import compose, initialize_config_dir
 
+    overrides = list(overrides)
     check_overrides_here(overrides)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return str(compose(config_name="config", overrides=overrides).dump_dir)

@@ -2,7 +2,7 @@
 
 The processes fork from a server that imported torch once (multiprocessing's forkserver): started
 with "spawn", each rank of each test imported torch again, seconds of CPU per rank on a 2-core CI
-machine. The server imports nothing else that starts threads, so its forks are safe.
+machine. The server only imports: no thread pool or process group exists in it before it forks.
 """
 
 import os

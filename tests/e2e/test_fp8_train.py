@@ -19,8 +19,8 @@ def test_fp8_loss_tracks_fp32_over_40_steps(tmp_path):
 
 
 def test_fp8_resume_is_bitwise(tmp_path):
-    """dp2 with the fp8 all-gather: steps 4-6 resumed from the straight run's step-3 checkpoint (saves are
-    bitwise neutral) equal the straight run's."""
+    """dp2 with the fp8 all-gather: steps 4-6 resumed from the straight run's own step-3 checkpoint equal
+    the straight run's."""
     fp8 = (*TINY, "model.use_fp8=true", "model.fp8_all_gather=true", "model.fp8_amax_history_len=4",
            "checkpoint.freq=3")
     straight = losses(train_ok(2, tmp_path / "straight", *fp8, "steps=6"))
