@@ -1,6 +1,6 @@
 """Entry point: `torchrun --nproc_per_node=N train.py [hydra overrides]`."""
 
-from trainer import early_signals
+from trainer.resilience import early_signals
 
 early_signals.hold()  # before the imports: seconds in which a scheduler's warning would be dropped
 
@@ -19,10 +19,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
-from trainer.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger
-from trainer.config import from_dict
+from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger
+from trainer.config.schema import from_dict
 from trainer.run import run
-from trainer.validate import validate
+from trainer.config.rules import validate
 
 PEERS_TIME_OUT_S = 3.0
 

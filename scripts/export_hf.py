@@ -30,12 +30,12 @@ from model.args import ModelArgs  # noqa: E402
 from model.hf import hf_config, to_hf  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
-from trainer.checkpoint import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
-from trainer.config import CONFIG_FILE, TrainConfig, from_dict  # noqa: E402
-from trainer.dump_dir import CHECKPOINTS_DIR  # noqa: E402
-from trainer.hf_import import INDEX  # noqa: E402
-from trainer.state import load_full_weights  # noqa: E402
-from trainer.tokenizer import Tokenizer  # noqa: E402
+from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
+from trainer.checkpoint.hf_import import INDEX  # noqa: E402
+from trainer.checkpoint.state import load_full_weights  # noqa: E402
+from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
+from trainer.data.tokenizer import Tokenizer  # noqa: E402
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -98,7 +98,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
     if problem:
         raise ConfigError(problem)
     cfg = read_train_config(ckpt)
-    args = cfg.model_args()
+    args = cfg.model
     tokenizer = Tokenizer(ckpt / "tokenizer.model")
     difference = tokenization_difference(tokenizer) if with_tokenizer else None
     if difference:
@@ -124,7 +124,7 @@ def write_weights(ckpt: Path, cfg: TrainConfig, out: Path, dtype: torch.dtype, s
             # Single-process loading is the intent here, not an accident DCP should warn about.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             weights = load_full_weights(ckpt, cfg, names)
-        tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, cfg.model_args()).items()}
+        tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, cfg.model).items()}
         del weights
         save_file(tensors, out / file, metadata={"format": "pt"})
         # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.

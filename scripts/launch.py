@@ -23,10 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
-from scripts.launch_command import (  # noqa: E402
-    check_overrides_here, check_stop_signal, dump_dir_of, free_port, positive_int, ranks_per_node, rendezvous_port,
-    torchrun_args,
-)
+from scripts.launch_command import (check_overrides_here, check_stop_signal, dump_dir_of, free_port,  # noqa: E402
+                                    positive_int, ranks_per_node, rendezvous_port, torchrun_args)
 
 
 class TrainOnNode:
@@ -66,7 +64,7 @@ class TrainOnNode:
         """Only this run's stop counts, as in train.sbatch: a requeued job keeps its id, so the marker its
         previous run left (still there when torchrun's first attempt died before the trainer took the
         dump_dir over) would read as its own to the next attempt, which would stop at once, untrained."""
-        from trainer.preemption import STOPPED_FILE
+        from trainer.outputs import STOPPED_FILE
 
         (Path(self.cwd) / dump_dir_of(self.overrides, default_dump) / STOPPED_FILE).unlink(missing_ok=True)
 

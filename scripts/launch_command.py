@@ -90,7 +90,7 @@ def check_overrides_here(overrides: list[str]) -> None:
     """Before a job is submitted: a bad override is train.py's one `error:` line (exit 2), not a
     traceback (after the submission, for a job that would fail)."""
     from parallel.launch_env import LaunchEnv
-    from trainer.cli import check_overrides
+    from trainer.config.cli import check_overrides
 
     check_overrides(overrides, LaunchEnv.from_torchrun())
 

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from trainer.config import OptimConfig
+from trainer.config.schema import OptimConfig
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
 

@@ -1,5 +1,5 @@
 """Apply the parallelisms: PP picks each rank's layers and TP shapes them as the model chunks are built;
-then activation checkpointing and FSDP, one root per chunk.
+then activation checkpointing and FSDP, one root per chunk; and the rank's pipeline program over them.
 
 The units are the embedding, each transformer block and the output head a chunk holds, in forward
 order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces over replicas (HSDP).
@@ -14,12 +14,18 @@ from parallel.checkpointing import checkpoint_forward
 from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
-from parallel.pipeline.schedule import chunk_layers
+from parallel.pipeline.runtime import PipelineRuntime
+from parallel.pipeline.schedule import chunk_layers, schedule_actions
 from parallel.tensor_parallel import TPContext
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    name = cfg.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return DTYPES[name]
 
 
 def model_unit_names(n_layers: int) -> list[str]:
@@ -38,7 +44,7 @@ def block_factory(cfg: TrainConfig, mesh: ParallelMesh) -> BlockFactory | None:
     fp8 reduces over; fp8 weight casts cached across microbatches unless ZeRO-3); None: the in-tree blocks."""
     if not cfg.model.use_te_layers:
         return None
-    return TEBlocks(cfg.model_args(), mesh.group("dp_cp_tp"), cache_fp8_weights=not cfg.reshard_after_forward)
+    return TEBlocks(cfg.model, mesh.group("dp_cp_tp"), cache_fp8_weights=not cfg.reshard_after_forward)
 
 
 def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | None = None,
@@ -50,7 +56,7 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
     with torch.device("meta"):
         return [
             Transformer(
-                cfg.model_args(), tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
+                cfg.model, tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
                 embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1, cp=cp,
                 blocks=blocks,
             )
@@ -94,4 +100,17 @@ def parallelize(
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)
     return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp,
-                       ModelInitializer(cfg.model_args(), cfg.seed, device))
+                       ModelInitializer(cfg.model, cfg.seed, device))
+
+
+def build_runtime(
+    cfg: TrainConfig, mesh: ParallelMesh, chunks: list, roots: list, dtype: torch.dtype, device: torch.device
+) -> PipelineRuntime:
+    """This rank's program of the step; stages exchange [microbatch, seq / cp (/tp under SP), dim] tensors."""
+    pp_rank = mesh.rank_in("pp")
+    program = schedule_actions(
+        cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches, pp_rank
+    )
+    seq = cfg.seq_len // cfg.context_parallel_size // (cfg.model_parallel_size if cfg.model.sequence_parallel else 1)
+    shape = (cfg.microbatch_size, seq, cfg.model.dim)
+    return PipelineRuntime(program, cfg.pipeline_parallel_size, chunks, roots, mesh.group("pp"), shape, dtype, device)

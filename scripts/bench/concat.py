@@ -5,7 +5,7 @@ unit's fp32 flat gradient accumulator (one autograd node, `CONCAT_EVENT`, per un
 only the last microbatch concatenates and the earlier ones add each parameter's gradient straight into
 the accumulator. Both give bitwise-identical losses (checked here too).
 
-Setup: the trainer's own step (build_trainer, random tokens) on 2 gloo CPU ranks (dp_shard=2, ZeRO-2:
+Setup: the trainer's own step (StepRunner.build, random tokens) on 2 gloo CPU ranks (dp_shard=2, ZeRO-2:
 reshard_after_forward=false), fp32, microbatches of one sequence, for M in {1, 4, 8}. Both configs of
 one M live in the same processes and run interleaved by rounds (each round: one step of each), so
 machine noise hits them alike; the step time is the slowest rank's, medians over rounds, ratio = median
@@ -32,9 +32,9 @@ from parallel.fsdp import CONCAT_EVENT  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from scripts.bench.trainer_step import RandomTokens, step_bench_options  # noqa: E402
-from trainer.config import TrainConfig, from_dict  # noqa: E402
-from trainer.run import build_trainer  # noqa: E402
-from trainer.validate import validate  # noqa: E402
+from trainer.config.rules import validate  # noqa: E402
+from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
+from trainer.step import StepRunner  # noqa: E402
 
 WORLD = 2
 MICROBATCHES = (1, 4, 8)
@@ -67,7 +67,7 @@ def run(rank: int, world: int, model: str, seq: int, rounds: int) -> list[dict]:
         trainers = {}
         for optimize in (False, True):
             cfg = bench_config(model, seq, m, optimize)
-            trainers[optimize] = build_trainer(cfg, ParallelMesh(validate(cfg, world), "cpu"), RandomTokens(cfg, rank),
+            trainers[optimize] = StepRunner.build(cfg, ParallelMesh(validate(cfg, world), "cpu"), RandomTokens(cfg, rank),
                                                torch.device("cpu"))
         times: dict[bool, list[float]] = {False: [], True: []}
         losses: dict[bool, list[float]] = {False: [], True: []}

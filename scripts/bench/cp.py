@@ -39,7 +39,7 @@ from parallel import comm  # noqa: E402
 from parallel.context_parallel import CPContext, context_parallel_attention  # noqa: E402
 from parallel.tensor_parallel import TPContext  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
-from trainer.config import from_dict  # noqa: E402
+from trainer.config.schema import from_dict  # noqa: E402
 
 WORLD = 4
 
@@ -79,7 +79,7 @@ def core_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext |
 
 def run(rank: int, world: int, model: str, seq: int, rounds: int) -> dict:
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml"))
-    args = from_dict({"model": raw, "seq_len": seq}).model_args()
+    args = from_dict({"model": raw, "seq_len": seq}).model
     groups = {1: None} | {c: dist.new_group(list(range(c))) for c in (2, 4)}
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq, args.dim, generator=gen)

@@ -5,7 +5,7 @@ block (tokens = one microbatch of --seq), the time of y = x W^T as the trainer r
 matmuls, and fp8 = casting x to fp8 plus the scaled GEMM (the weight's cast is cached across a step's
 microbatches, so it is left out). A CPU has no fp8 units: the CPU numbers are a report, not a target.
 
-(2) 4 gloo CPU ranks (dp_shard=4), the trainer's own step (build_trainer, fp8 linears, ZeRO-3,
+(2) 4 gloo CPU ranks (dp_shard=4), the trainer's own step (StepRunner.build, fp8 linears, ZeRO-3,
 fp32 compute) with model.fp8_all_gather off and on: all-gather bytes per step from the ledger and the
 step time; bf16's bytes are the fp32 gather's halved (two bytes per element instead of four). Configs
 run interleaved by rounds, so machine noise hits both alike; medians over rounds.
@@ -29,9 +29,9 @@ from model.fp8 import Fp8Recipe, quantize, scaled_mm  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from scripts.bench.trainer_step import RandomTokens, step_bench_options  # noqa: E402
-from trainer.config import TrainConfig, from_dict  # noqa: E402
-from trainer.run import build_trainer  # noqa: E402
-from trainer.validate import fp8_gemm_sizes, validate  # noqa: E402
+from trainer.config.rules import fp8_gemm_sizes, validate  # noqa: E402
+from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
+from trainer.step import StepRunner  # noqa: E402
 
 WORLD = 4
 
@@ -54,7 +54,7 @@ def median_time(fn, repeats: int) -> float:
 
 
 def gemm_table(cfg: TrainConfig, repeats: int) -> list[str]:
-    args = cfg.model_args()
+    args = cfg.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     q, kv, ffn, tokens = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_hidden_dim, cfg.seq_len
     shapes = {"wqkv": (args.dim, q + 2 * kv), "wo": (q, args.dim), "w13": (args.dim, 2 * ffn), "w2": (ffn, args.dim)}
@@ -77,7 +77,7 @@ def gather_bench(rank: int, world: int, model: str, seq: int, rounds: int) -> di
     trainers = {}
     for on in (False, True):
         cfg = bench_config(model, seq, use_fp8=True, fp8_all_gather=on)
-        trainers[on] = build_trainer(cfg, ParallelMesh(validate(cfg, world), "cpu"), RandomTokens(cfg, rank),
+        trainers[on] = StepRunner.build(cfg, ParallelMesh(validate(cfg, world), "cpu"), RandomTokens(cfg, rank),
                                      torch.device("cpu"))
     times: dict[bool, list[float]] = {False: [], True: []}
     gathered: dict[bool, int] = {}

@@ -83,7 +83,7 @@ from parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
 from scripts.bench.fsdp_runners import SEED, Config, Runner, build, count_torch_collectives  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
-from trainer.config import from_dict  # noqa: E402
+from trainer.config.schema import from_dict  # noqa: E402
 
 CONFIGS = (Config("ours", False), Config("fsdp2", False), Config("ours", True), Config("fsdp2", True),
            Config("ours", True, in_flight=0), Config("ours", True, grad_reduce="per_microbatch"), Config("ddp"),
@@ -94,7 +94,7 @@ STEP_MARK = "bench_step"  # a profiler range around each step, to find where the
 def model_args(name: str, seq_len: int) -> ModelArgs:
     """Dimensions from conf/model/{name}.yaml, through the trainer's own config checks."""
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    return from_dict({"model": raw, "seq_len": seq_len}).model_args()
+    return from_dict({"model": raw, "seq_len": seq_len}).model
 
 
 def rank_batch(args: ModelArgs, microbatches: int, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

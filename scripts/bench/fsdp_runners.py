@@ -23,7 +23,7 @@ from model.transformer import Transformer
 from parallel import comm
 from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.mesh import ParallelMesh
-from trainer.config import OptimConfig
+from trainer.config.schema import OptimConfig
 from trainer.optimizer import NamedAdamW
 
 SEED = 0

@@ -1,7 +1,7 @@
 """Our pipeline runtime against torch.distributed.pipelining over the same stage modules, plus the
 measured bubble beside the simulated one. CPU gloo, world = pp ranks (dp = 1: neither side shards).
 
-Ours: the trainer's own step path (build_trainer; the runtime's batched p2p, FSDP units with a shard
+Ours: the trainer's own step path (StepRunner.build; the runtime's batched p2p, FSDP units with a shard
 group of one, reshard_after_forward=false: with nothing sharded, re-gathering is only copying;
 optimize_backward_concat=true, as the runtime marks microbatches; torch marks none, so over the same
 chunks each microbatch's backward concatenates and adds its flat gradient). Torch: `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding the
@@ -43,11 +43,11 @@ from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import TPContext  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
-from trainer.config import TrainConfig, from_dict  # noqa: E402
-from trainer.loop import token_loss_sum  # noqa: E402
+from trainer.config.rules import validate  # noqa: E402
+from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
 from trainer.parallelize import build_chunks  # noqa: E402
-from trainer.run import build_trainer  # noqa: E402
-from trainer.validate import validate  # noqa: E402
+from trainer.step import StepRunner  # noqa: E402
+from trainer.step import token_loss_sum  # noqa: E402
 
 
 class RandomTokens:
@@ -75,7 +75,7 @@ def bench_config(model: str, seq: int, pp: int, schedule: str, m: int) -> TrainC
 
 class Ours:
     def __init__(self, cfg: TrainConfig, world: int):
-        self.trainer = build_trainer(cfg, ParallelMesh(validate(cfg, world), "cpu"),
+        self.trainer = StepRunner.build(cfg, ParallelMesh(validate(cfg, world), "cpu"),
                                      RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size),
                                      torch.device("cpu"))
 
@@ -102,7 +102,7 @@ class Torch:
             self.chunks, self.roots = build_chunks(cfg, TPContext(), rank), []
             for chunk in self.chunks:
                 chunk.to_empty(device="cpu")
-                init_weights(chunk, cfg.model_args(), cfg.seed)
+                init_weights(chunk, cfg.model, cfg.seed)
         global_tokens = cfg.num_microbatches * cfg.seq_len
         self.first, self.last = rank == 0, rank == pp - 1
         stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]

@@ -32,14 +32,14 @@ from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from scripts.bench.agreement import require_agreement  # noqa: E402
 from scripts.export_hf import hf_config, to_hf  # noqa: E402
-from trainer.config import from_dict  # noqa: E402
-from trainer.tokenizer import BOS_ID, EOS_ID  # noqa: E402
+from trainer.config.schema import from_dict  # noqa: E402
+from trainer.data.tokenizer import BOS_ID, EOS_ID  # noqa: E402
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
     """Dimensions from conf/model/{name}.yaml, through the trainer's own config checks."""
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    return from_dict({"model": raw, "seq_len": seq_len}).model_args()
+    return from_dict({"model": raw, "seq_len": seq_len}).model
 
 
 def build_pair(args: ModelArgs, seed: int) -> tuple[nn.Module, nn.Module]:

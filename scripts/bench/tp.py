@@ -50,13 +50,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor.parallel import (  # noqa: E402
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
+                                               SequenceParallel, parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from model.args import ModelArgs  # noqa: E402
@@ -67,7 +62,7 @@ from parallel import comm  # noqa: E402
 from parallel.tensor_parallel import TPContext, tp_local_slice  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
-from trainer.config import from_dict  # noqa: E402
+from trainer.config.schema import from_dict  # noqa: E402
 
 SEED = 0
 LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -88,7 +83,7 @@ CONFIGS = tuple(Config(kind, sp) for sp in (False, True) for kind in ("ours", "d
 def model_args(name: str, seq_len: int) -> ModelArgs:
     """Dimensions from conf/model/{name}.yaml, through the trainer's own config checks."""
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    return from_dict({"model": raw, "seq_len": seq_len}).model_args()
+    return from_dict({"model": raw, "seq_len": seq_len}).model
 
 
 # --- the blocks ----------------------------------------------------------------------------------

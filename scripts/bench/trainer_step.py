@@ -5,7 +5,7 @@ import argparse
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 
 
 class RandomTokens:

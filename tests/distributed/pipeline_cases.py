@@ -1,4 +1,4 @@
-"""The trainer's own step (build_trainer + Trainer.train_step) on synthetic global batches, any layout.
+"""The trainer's own step (StepRunner.build + StepRunner.train_step) on synthetic global batches, any layout.
 
 Every layout sees the same global batch per step, so losses compare across layouts exactly as in
 training; the process group is the test's, the mesh is built per run.
@@ -10,11 +10,10 @@ import torch
 
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.schedule import downstream, upstream
-from trainer.config import TrainConfig, from_dict
-from trainer.loop import Trainer
-from trainer.metrics import StepMetrics
-from trainer.run import build_trainer
-from trainer.validate import validate
+from trainer.config.rules import validate
+from trainer.config.schema import TrainConfig, from_dict
+from trainer.observability.metrics import StepMetrics
+from trainer.step import StepRunner
 
 MODEL = {"name": "tiny", "n_layers": 8, "dim": 32, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "multiple_of": 16}
 SEQ = 8
@@ -42,16 +41,16 @@ class SyntheticLoader:
         return [(mine[i : i + size, :-1], mine[i : i + size, 1:]) for i in range(0, per_rank, size)]
 
 
-def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> Trainer:
+def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> StepRunner:
     """`validate_as`: the config validated in cfg's place (one that validation would refuse on this
     machine, e.g. TransformerEngine blocks on CPU, is validated as its twin)."""
     dims = validate(validate_as or cfg, world)
     mesh = ParallelMesh(dims, "cpu")
     loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
-    return build_trainer(cfg, mesh, loader, torch.device("cpu"))
+    return StepRunner.build(cfg, mesh, loader, torch.device("cpu"))
 
 
-def train(cfg: TrainConfig, world: int) -> tuple[Trainer, list[StepMetrics]]:
+def train(cfg: TrainConfig, world: int) -> tuple[StepRunner, list[StepMetrics]]:
     trainer = make_trainer(cfg, world)
     return trainer, [trainer.train_step(step) for step in range(1, cfg.steps + 1)]
 

@@ -17,11 +17,11 @@ from model.te import TEBlocks
 from parallel.random import RNGStreams
 from tests.distributed.pipeline_cases import assert_matches, config, make_trainer, reference_of, train
 from tests.distributed.spawn import run_ranks
-from trainer.checkpoint import save_checkpoint
-from trainer.config import TrainConfig
-from trainer.loop import Trainer
-from trainer.metrics import StepMetrics
-from trainer.state import checkpoint_state, load_into
+from trainer.checkpoint.files import save_checkpoint
+from trainer.checkpoint.state import checkpoint_state, load_into
+from trainer.config.schema import TrainConfig
+from trainer.observability.metrics import StepMetrics
+from trainer.step import StepRunner
 
 FAKE_TE = Path(__file__).resolve().parents[1] / "fake_te"
 LAYOUTS = {
@@ -32,7 +32,7 @@ LAYOUTS = {
 }
 
 
-def _te_trainer(cfg: TrainConfig, world: int) -> Trainer:
+def _te_trainer(cfg: TrainConfig, world: int) -> StepRunner:
     """The trainer with TE blocks; validated as its in-tree twin (validate refuses TE without CUDA)."""
     twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, use_te_layers=False))
     trainer = make_trainer(cfg, world, validate_as=twin)
@@ -55,12 +55,12 @@ class _FixedSampler:
         assert saved["global_batch_size"] == self.state_dict()["global_batch_size"], saved
 
 
-def _state(trainer: Trainer, rank: int, step: int) -> dict:
+def _state(trainer: StepRunner, rank: int, step: int) -> dict:
     rng = RNGStreams(0, trainer.chunks[0].tp.rank, torch.device("cpu"))
     return checkpoint_state(trainer.roots, trainer.optimizer, rng, _FixedSampler(), step, rank, trainer.mesh.dims)
 
 
-def _te_scaling(trainer: Trainer) -> dict[str, torch.Tensor]:
+def _te_scaling(trainer: StepRunner) -> dict[str, torch.Tensor]:
     return {f"{i}.{name}": t.clone() for i, block in enumerate(b for c in trainer.chunks for b in c.layers.values())
             for name, t in block.scaling_state().items()}
 

@@ -53,10 +53,12 @@ def arm(point: str, step: int) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from parallel import comm
-    from trainer import checkpoint, loop, optimizer
+    from trainer import optimizer
+    from trainer.checkpoint import files as checkpoint
+    from trainer.step import StepRunner
 
     current = {"step": 0}
-    train_step = loop.Trainer.train_step
+    train_step = StepRunner.train_step
 
     def counting_train_step(self, s):
         current["step"] = s
@@ -66,21 +68,21 @@ def arm(point: str, step: int) -> None:
             raise FloatingPointError(f"step {s}: non-finite gradient (faulty_train)")
         return train_step(self, s)
 
-    loop.Trainer.train_step = counting_train_step
+    StepRunner.train_step = counting_train_step
     if point == "signal_then_die":
-        from trainer import run
+        from trainer import trainer
 
-        build_data, fit = run._build_data, run._fit
+        build_data, train = trainer.build_data, trainer.Trainer.train
 
         def signalled_build_data(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGUSR1)
             return build_data(*args, **kwargs)
 
-        def fit_then_die(*args, **kwargs):
-            fit(*args, **kwargs)
+        def train_then_die(*args, **kwargs):
+            train(*args, **kwargs)
             die(f"{point} after the stop")
 
-        run._build_data, run._fit = signalled_build_data, fit_then_die
+        trainer.build_data, trainer.Trainer.train = signalled_build_data, train_then_die
     if point == "stall":
         reduce_scatter = comm.reduce_scatter_tensor
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from scripts.bench.checkpoint import stalls_per_save
 from tests.e2e.conftest import CHECKPOINTED_RUN
 from tests.e2e.launch import metrics, train
-from trainer.dcp_io import SafeFileSystemReader
+from trainer.checkpoint.dcp_io import SafeFileSystemReader
 
 RUN = (*CHECKPOINTED_RUN, "checkpoint.async_save=true")
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import transformers
 
-from model.transformer import Transformer
 from model.hf import to_hf
+from model.transformer import Transformer
 from tests.e2e.launch import REPO, train_ok
-from trainer.config import from_dict
-from trainer.state import load_full_weights
-from trainer.tokenizer import BOS_ID, Tokenizer
+from trainer.checkpoint.state import load_full_weights
+from trainer.config.schema import from_dict
+from trainer.data.tokenizer import BOS_ID, Tokenizer
 
 EXPORT = REPO / "scripts" / "export_hf.py"
 # Relative to the logit scale. Not bitwise: HF may pick another attention kernel (eager measured ~2e-7).
@@ -35,7 +35,7 @@ def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
 def _our_model(ckpt: Path) -> Transformer:
     """Our model with the checkpoint's full weights (unflattened from the FSDP units' flat tensors)."""
     cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))
-    model = Transformer(cfg.model_args())
+    model = Transformer(cfg.model)
     model.load_state_dict(load_full_weights(ckpt, cfg))
     return model.eval()
 
@@ -156,14 +156,14 @@ def test_a_sharded_export_loads_one_shard_at_a_time_and_gives_the_same_model(tmp
     """--max-shard-size: numbered shards and transformers' index, the same tensors as one file, and no
     load asks for more than one shard's parameters (a 70B export would otherwise hold the whole model)."""
     import scripts.export_hf as export_hf
-    import trainer.state
+    import trainer.checkpoint.state
 
     ckpt = checkpoint_of("single")
     assert export_hf.main([str(ckpt), str(tmp_path / "whole"), "--no-tokenizer"]) == 0
     largest = max(p.numel() for p in _our_model(ckpt).parameters())
     loaded = []
     load = trainer.state.load_checkpoint
-    monkeypatch.setattr(trainer.state, "load_checkpoint",
+    monkeypatch.setattr(trainer.checkpoint.state, "load_checkpoint",
                         lambda path, state, group: (loaded.append(sum(t.numel() for t in state["model"].values())),
                                                     load(path, state, group)))
     max_bytes = 200_000

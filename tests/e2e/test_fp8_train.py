@@ -5,7 +5,7 @@ import math
 import shutil
 
 from tests.e2e.launch import losses, train_ok
-from trainer.checkpoint import checkpoint_keys
+from trainer.checkpoint.files import checkpoint_keys
 
 TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true")
 

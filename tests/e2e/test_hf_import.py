@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from model.transformer import Transformer
 from parallel.errors import ConfigError
 from tests.e2e.launch import DATA_CACHE, REPO, train
-from trainer.checkpoint import MANIFEST
-from trainer.config import TrainConfig, from_dict
-from trainer.data import prepare_dataset
-from trainer.hf_import import check_hf_folder, tensor_files
-from trainer.state import load_full_weights
-from trainer.validate import validate
+from trainer.checkpoint.files import MANIFEST
+from trainer.checkpoint.hf_import import check_hf_folder, tensor_files
+from trainer.checkpoint.state import load_full_weights
+from trainer.config.rules import validate
+from trainer.config.schema import TrainConfig, from_dict
+from trainer.data.prepare import prepare_dataset
 
 # An LR far below one ulp of any weight: the step-1 checkpoint holds the imported weights unchanged.
 FROZEN = ("model=tiny", "seq_len=64", "steps=1", "checkpoint.freq=1", "optim.lr=1e-30", "optim.warmup_steps=0")
@@ -31,7 +31,7 @@ MAX_REL_DIFF = 1e-5  # of the logit scale; both sides fp32 eager attention
 
 def tiny_llama(folder: Path, shard_size: str | None = None, **overrides) -> "transformers.LlamaForCausalLM":
     """transformers' own Llama with model=tiny's architecture (random init), saved to `folder`."""
-    args = TrainConfig().model_args()
+    args = TrainConfig().model
     config = transformers.LlamaConfig(**{
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
@@ -70,7 +70,7 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
     ckpt = dump / "checkpoints" / "step_1"
 
     cfg = from_dict(json.loads((ckpt / "train_config.json").read_text()))
-    ours = Transformer(cfg.model_args())
+    ours = Transformer(cfg.model)
     ours.load_state_dict(load_full_weights(ckpt, cfg))
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -102,7 +102,7 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
 
 
 def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
-    args = TrainConfig().model_args()
+    args = TrainConfig().model
     tiny_llama(tmp_path / "gqa4", num_key_value_heads=4)
     tiny_llama(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     cases = {"gqa4": "num_key_value_heads=4 vs model.n_kv_heads=2", "scaled": "only the default RoPE",

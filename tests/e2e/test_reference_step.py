@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from model.init import init_weights
 from model.transformer import Transformer
 from tests.e2e.launch import DATA_CACHE, train_ok
-from trainer.config import from_dict
-from trainer.data import BatchLoader, prepare_dataset
-from trainer.sampler import GlobalBatchSampler, split_windows
-from trainer.state import load_full_weights
+from trainer.checkpoint.state import load_full_weights
+from trainer.config.schema import from_dict
+from trainer.data.loader import BatchLoader
+from trainer.data.prepare import prepare_dataset
+from trainer.data.sampler import GlobalBatchSampler, split_windows
 
 STEPS, CLIP = 4, 0.5
 RUN = ("model=tiny", "seq_len=64", "batch_size=2", "microbatch_size=1", f"steps={STEPS}", "log_all_steps=true",
@@ -39,7 +40,7 @@ def reference_run(cfg, global_batch: int):
     windows, _ = split_windows(tokens.num_tokens, cfg.seq_len, cfg.data.held_out_fraction)
     loader = BatchLoader(tokens, GlobalBatchSampler(windows, global_batch, cfg.seed), cfg.seq_len, 0, 1,
                          global_batch, tokenizer.bos_id)
-    args = cfg.model_args()
+    args = cfg.model
     model = Transformer(args)
     with torch.no_grad():
         init_weights(model, args, cfg.seed)
@@ -64,9 +65,9 @@ def test_two_ranks_of_two_microbatches_step_like_the_reference(tmp_path):
     dump = tmp_path / "run"
     records = {r["step"]: r for r in train_ok(2, dump, *RUN) if "loss" in r}
     cfg = from_dict(json.loads((dump / "train_config.json").read_text()))
-    initial = Transformer(cfg.model_args())
+    initial = Transformer(cfg.model)
     with torch.no_grad():
-        init_weights(initial, cfg.model_args(), cfg.seed)
+        init_weights(initial, cfg.model, cfg.seed)
     expected, weights = reference_run(cfg, global_batch=4)
     for step, (loss, norm, lr) in enumerate(expected, start=1):
         got = records[step]

@@ -8,7 +8,7 @@ import math
 from model.init import init_weights
 from model.transformer import Transformer
 from tests.e2e.launch import train_ok
-from trainer.config import from_dict
+from trainer.config.schema import from_dict
 from trainer.parallelize import model_unit_names
 
 RUN = ("model=tiny", "seq_len=64", "steps=2", "batch_size=4", "log_all_steps=true", "metrics.unit_norms=true")
@@ -16,8 +16,8 @@ RUN = ("model=tiny", "seq_len=64", "steps=2", "batch_size=4", "log_all_steps=tru
 
 def _initial_unit_norms() -> dict[str, float]:
     cfg = from_dict({"model": {"name": "tiny"}, "seq_len": 64})
-    model = Transformer(cfg.model_args())
-    init_weights(model, cfg.model_args(), cfg.seed)
+    model = Transformer(cfg.model)
+    init_weights(model, cfg.model, cfg.seed)
     return {name: math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in model.get_submodule(name).parameters()))
             for name in model_unit_names(cfg.model.n_layers)}
 

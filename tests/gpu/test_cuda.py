@@ -9,7 +9,7 @@ import torch
 
 from model.fp8 import Fp8Gemm, Fp8Recipe
 from tests.e2e.launch import train_ok
-from trainer.flops import device_peak_flops
+from trainer.observability.flops import device_peak_flops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from scripts.bench.checkpoint import stalls_per_save
-from trainer import async_save
-from trainer.async_save import AsyncCheckpointer
+from trainer.checkpoint import async_save
+from trainer.checkpoint.async_save import AsyncCheckpointer
 
 SLOW_PRUNE_S = 0.3
 

@@ -9,7 +9,7 @@ from model.args import ModelArgs
 from model.attention import block_causal_mask, causal_attention
 from model.init import init_weights
 from model.transformer import Transformer
-from trainer.data import BatchLoader
+from trainer.data.loader import BatchLoader
 
 BOS = 1
 # A window that opens inside a document (its tail is document 0), a one-token document, a longer one.

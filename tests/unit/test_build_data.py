@@ -1,4 +1,4 @@
-"""What run._build_data makes of the prepared data: the split, the sampler and the lines it logs."""
+"""What build_data makes of the prepared data: the split, the sampler and the lines it logs."""
 
 from functools import partial
 from types import SimpleNamespace
@@ -6,21 +6,22 @@ from types import SimpleNamespace
 import pytest
 
 from parallel.errors import ConfigError
-from trainer import run
-from trainer.config import DataConfig, TrainConfig
-from trainer.token_shards import PackedTokens
+from trainer.config.schema import DataConfig, TrainConfig
+from trainer.data import build
+from trainer.data.shards import PackedTokens
 
 
 def _build_data(monkeypatch, tmp_path, num_tokens: int, held_out_fraction: float = 0.0, **overrides) -> list[str]:
-    """_build_data on `num_tokens` prepared tokens, seq_len 10, one data-parallel rank of batch 8;
+    """build_data on `num_tokens` prepared tokens, seq_len 10, one data-parallel rank of batch 8;
     returns its log lines."""
     tokens, tokenizer = SimpleNamespace(num_tokens=num_tokens), SimpleNamespace(bos_id=1)
     tokens.num_sequences = partial(PackedTokens.num_sequences, tokens)  # of the token count alone
-    monkeypatch.setattr(run, "prepare_dataset", lambda *args, **kwargs: (tokenizer, tokens))
+    tokens.fingerprint = dict
+    monkeypatch.setattr(build, "prepare_dataset", lambda *args, **kwargs: (tokenizer, tokens))
     cfg = TrainConfig(dump_dir=str(tmp_path / "dump"), seq_len=10, batch_size=8,
                       data=DataConfig(held_out_fraction=held_out_fraction), **overrides)
     lines: list[str] = []
-    run._build_data(cfg, SimpleNamespace(dims=SimpleNamespace(dp=1), dp_rank=0), 0, lines.append)
+    build.build_data(cfg, dp_rank=0, dp_size=1, rank=0, log=lines.append, resumed=None)
     return lines
 
 

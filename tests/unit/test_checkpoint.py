@@ -7,14 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.checkpoint import (
-    MANIFEST, CheckpointError, complete_save, latest_checkpoint, load_checkpoint, own_files, prepare_save,
-    prune_checkpoints, refuse_damaged_newer, save_checkpoint, verify_checkpoint,
-)
-from trainer.dcp_io import SafeFileSystemReader
-from trainer.sampler import SPLIT_VERSION
-from trainer.shuffle import SHUFFLE_VERSION
-from trainer.state import load_into
+from trainer.checkpoint.dcp_io import SafeFileSystemReader
+from trainer.checkpoint.files import (MANIFEST, CheckpointError, complete_save, latest_checkpoint, load_checkpoint,
+                                      own_files, prepare_save, prune_checkpoints, refuse_damaged_newer, save_checkpoint,
+                                      verify_checkpoint)
+from trainer.checkpoint.state import load_into
+from trainer.data.sampler import SPLIT_VERSION
+from trainer.data.shuffle import SHUFFLE_VERSION
 
 
 def state(seed: int) -> dict:
@@ -40,7 +39,7 @@ def test_round_trip_prune_and_latest(tmp_path, world):
 def test_a_kill_while_pruning_leaves_no_folder_that_looks_complete(tmp_path, world, monkeypatch):
     """rmtree may delete the shards before the manifest: the folder is renamed to a hidden name first,
     and the next save clears what the kill left."""
-    from trainer import checkpoint
+    from trainer.checkpoint import files as checkpoint
 
     for step in (1, 2):
         save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})
@@ -65,7 +64,7 @@ def test_a_kill_while_pruning_leaves_no_folder_that_looks_complete(tmp_path, wor
 def test_a_save_is_on_disk_before_anything_is_pruned(tmp_path, world, monkeypatch):
     """Our own copies (extra files, the manifest) and the folder's entries are synced, and the rename
     into place is synced in the parent before the save returns (pruning follows it)."""
-    from trainer import checkpoint
+    from trainer.checkpoint import files as checkpoint
 
     synced: list[str] = []
     fsync = checkpoint.os.fsync
@@ -158,7 +157,7 @@ def test_a_flipped_byte_in_the_metadata_is_found_by_verification_without_checksu
 
 def test_ranks_that_list_another_newest_checkpoint_refuse_to_resume(tmp_path, world, monkeypatch):
     """Rank 1's listing of the shared folder lags: it would load step 2 while rank 0 loads step 3."""
-    from trainer import resume
+    from trainer.checkpoint import resume
 
     for step in (2, 3):
         save_checkpoint(tmp_path, step, state(step), world, rank=0, extra_files={})

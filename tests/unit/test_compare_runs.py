@@ -138,7 +138,7 @@ def test_non_finite_missing_and_eval_values_are_compared_not_skipped(tmp_path, c
     assert compare_runs.main([str(tmp_path / "null_norm"), str(_write(tmp_path / "null2", [both_null]))]) == 0
     capsys.readouterr()
     # As the trainer writes them: null, and `nonfinite` naming which. A NaN and an Inf differ.
-    from trainer.metrics import StepMetrics
+    from trainer.observability.metrics import StepMetrics
 
     def logged(folder: str, loss: float) -> Path:
         metrics = StepMetrics(step=1, loss=loss, grad_norm=0.6, lr=1e-3, tokens_per_s=1.0, step_time_s=1.0,
@@ -283,7 +283,7 @@ def test_per_unit_norms_name_the_first_step_and_units_that_differ(tmp_path, caps
 def test_a_nan_and_an_inf_in_one_unit_norm_differ(tmp_path):
     """Nested NaN/Inf (a unit's norm) are logged as null like top-level ones and named in `nonfinite` by
     field and unit, so that compare_runs tells them apart."""
-    from trainer.metrics import StepMetrics
+    from trainer.observability.metrics import StepMetrics
 
     def logged(folder: str, layer_grad: float) -> dict[int, dict]:
         metrics = StepMetrics(step=1, loss=1.0, grad_norm=float("nan"), lr=1e-3, tokens_per_s=1.0, step_time_s=1.0,

@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from parallel.errors import ConfigError
-from trainer.config import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key
-from trainer.validate import layout_noops, validate
+from trainer.config.rules import layout_noops, validate
+from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 CONTRACT_KEYS = (
@@ -49,7 +49,7 @@ def test_the_product_launch_command_is_valid_on_8_ranks():
 
 
 def test_llama3_8b_dimensions():
-    args = load("model=llama3_8b").model_args()
+    args = load("model=llama3_8b").model
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden_dim) == (4096, 32, 32, 8, 14336)
 
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from parallel.errors import ConfigError
-from trainer import data
-from trainer.data import BatchLoader, default_corpus_files, list_source, prepare_dataset
-from trainer.sampler import GlobalBatchSampler
-from trainer.token_shards import (
-    TOKENS_FILE, PackedTokens, is_complete, sources_fingerprint, write_packed_tokens,
-)
-from trainer.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from trainer.data import prepare as data
+from trainer.data.loader import BatchLoader
+from trainer.data.prepare import prepare_dataset
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.shards import TOKENS_FILE, PackedTokens, is_complete, write_packed_tokens
+from trainer.data.sources import default_corpus_files, iter_documents, list_source, sources_fingerprint
+from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
 SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
@@ -228,7 +228,7 @@ def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_fi
 def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_path: Path, monkeypatch) -> None:
     """A rank whose source files differ (another node's copy, another Python's stdlib) would wait an
     hour for a cache the main rank never builds: all ranks compare cache keys first."""
-    from trainer import run
+    from trainer.data import build
 
     keys = []
 
@@ -239,11 +239,11 @@ def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_pa
     with pytest.raises(ConfigError, match="stop here"):
         prepare_dataset(str(corpus), None, VOCAB, tmp_path, False, print, agree=disagree)
     assert len(keys) == 1 and not any(tmp_path.iterdir())  # nothing built, nothing waited for
-    monkeypatch.setattr(run.comm, "all_gather_object", lambda obj, group: [obj, obj, "other"])
+    monkeypatch.setattr(build.comm, "all_gather_object", lambda obj, group: [obj, obj, "other"])
     with pytest.raises(ConfigError, match=r"^data.source: rank 2 sees other source files or tokenizer than rank 0"):
-        run._same_data_on_every_rank(keys[0])
-    monkeypatch.setattr(run.comm, "all_gather_object", lambda obj, group: [obj, obj])
-    run._same_data_on_every_rank(keys[0])
+        build.same_data_on_every_rank(keys[0])
+    monkeypatch.setattr(build.comm, "all_gather_object", lambda obj, group: [obj, obj])
+    build.same_data_on_every_rank(keys[0])
 
 
 def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from parallel.errors import ConfigError
-from trainer import data
-from trainer.data import prepare_dataset
-from trainer.heartbeat import Heartbeat
-from trainer.temp_dirs import WRITER_FILE, make_writer_temp_dir
-from trainer.tokenizer import Tokenizer
+from trainer.data import prepare as data
+from trainer.data.cache import CachePaths
+from trainer.data.heartbeat import Heartbeat
+from trainer.data.prepare import prepare_dataset
+from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir
+from trainer.data.tokenizer import Tokenizer
 
 VOCAB = 320
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def test_a_waiting_rank_waits_past_the_timeout_while_the_main_rank_beats(corpus:
     cache = tmp_path / "cache"
     cache.mkdir()
     waiter = _start_waiter(str(corpus), cache, [], timeout_s=1)
-    with Heartbeat(data._CachePaths(cache, key).progress, timeout_s=0.8) as heartbeat:  # a fake main rank
+    with Heartbeat(CachePaths(cache, key).progress, timeout_s=0.8) as heartbeat:  # a fake main rank
         assert heartbeat.interval_s == pytest.approx(0.2)
         time.sleep(3)
         _publish_copy(built.path.parent, cache, key)
@@ -131,7 +132,7 @@ def test_temp_folders_of_killed_writers_are_removed_before_building_and_live_one
 
 
 def _temp_dir_of_a_killed_writer(parent: Path, prefix: str) -> Path:
-    code = ("import os, signal, sys; from trainer.temp_dirs import make_writer_temp_dir; "
+    code = ("import os, signal, sys; from trainer.data.temp_dirs import make_writer_temp_dir; "
             "print(make_writer_temp_dir(sys.argv[1], sys.argv[2]), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([sys.executable, "-c", code, str(parent), prefix], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr

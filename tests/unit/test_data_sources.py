@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 
 from parallel.errors import ConfigError
-from trainer import data as data_module
-from trainer.data import list_source, prepare_dataset
-from trainer.token_shards import sources_fingerprint
-from trainer.tokenizer import iter_documents
+from trainer.data import prepare as data_module
+from trainer.data.prepare import prepare_dataset
+from trainer.data.sources import iter_documents, list_source, sources_fingerprint
 
 
 class _Stop(Exception):

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from parallel.errors import ConfigError
-from trainer import dump_dir
-from trainer.config import from_dict
-from trainer.dump_dir import (JOB_FILES, LOCK_FILE, STALE_AFTER_S, TAKEOVER_FILE, DumpDirLock, _unwritable,
-                               output_folders)
+from trainer.config.schema import from_dict
+from trainer.outputs import JOB_FILES, LOCK_FILE, TAKEOVER_FILE, output_folders
+from trainer.resilience import dump_dir_lock as dump_dir
+from trainer.resilience.dump_dir_lock import STALE_AFTER_S, DumpDirLock, _unwritable
 
 
 @pytest.fixture(autouse=True)

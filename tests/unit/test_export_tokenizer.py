@@ -10,10 +10,10 @@ import random
 import sentencepiece as spm
 import transformers
 
-from model.hf import hf_config
 from model.args import ModelArgs
+from model.hf import hf_config
 from scripts.export_hf import NORMALIZATION_PROBES, tokenization_difference, write_tokenizer
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
 
 TEXT = "the pipeline shards the gradient\n" * 40 + "tokens per rank and per step\n" * 40
 _WORDS = "the pipeline shards gradient tokens per rank step reduce scatter gather unit optimizer checkpoint".split()

@@ -5,9 +5,10 @@ import json
 import pytest
 
 from parallel.errors import ConfigError
-from trainer.config import from_dict
-from trainer.fingerprint import FINGERPRINT_FILE, check_resumable, data_fingerprint, run_fingerprint
-
+from trainer.checkpoint.fingerprint import check_resumable, run_fingerprint
+from trainer.config.schema import from_dict
+from trainer.data.shards import data_fingerprint
+from trainer.outputs import FINGERPRINT_FILE
 
 DATA = {"data_sha256": "h" * 16, "data": "d" * 16, "data_sample": "s" * 16}
 

@@ -12,7 +12,7 @@ import transformers
 from model.args import ModelArgs
 from model.hf import hf_config
 from parallel.errors import ConfigError
-from trainer.hf_import import check_architecture, context_note
+from trainer.checkpoint.hf_import import check_architecture, context_note
 
 THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from parallel.errors import ConfigError
-from trainer.hf_import import run_tokenizer
+from trainer.data.tokenizer import choose_tokenizer
 
 
 def folder_with_tokenizer(tmp_path: Path, model: bytes) -> Path:
@@ -21,28 +21,28 @@ def test_data_tokenizer_other_than_the_folders_is_refused_at_start(tmp_path: Pat
     other = tmp_path / "other.model"
     other.write_bytes(b"another sentencepiece model")
     with pytest.raises(ConfigError) as e:
-        run_tokenizer(str(other), str(folder), resumed=None)
+        choose_tokenizer(str(other), str(folder), resumed=None)
     line = str(e.value)
     assert f"data.tokenizer={other} " in line and str(folder / "tokenizer.model") in line, line
     assert "set data.tokenizer=null to use the folder's" in line and "\n" not in line
     # The weights of a resume come from its checkpoint, trained with data.tokenizer all along.
-    assert run_tokenizer(str(other), str(folder), resumed=tmp_path / "step_2") == str(other)
+    assert choose_tokenizer(str(other), str(folder), resumed=tmp_path / "step_2") == str(other)
 
 
 def test_the_folders_tokenizer_named_again_or_left_out_is_used(tmp_path: Path) -> None:
     folder = folder_with_tokenizer(tmp_path, b"the folder's sentencepiece model")
     copy = tmp_path / "copy.model"
     copy.write_bytes(b"the folder's sentencepiece model")
-    assert run_tokenizer(str(copy), str(folder), resumed=None) == str(copy)
-    assert run_tokenizer(None, str(folder), resumed=None) == str(folder / "tokenizer.model")
-    assert run_tokenizer(None, None, resumed=None) is None  # no folder: a tokenizer is trained on the data
+    assert choose_tokenizer(str(copy), str(folder), resumed=None) == str(copy)
+    assert choose_tokenizer(None, str(folder), resumed=None) == str(folder / "tokenizer.model")
+    assert choose_tokenizer(None, None, resumed=None) is None  # no folder: a tokenizer is trained on the data
 
 
 def test_a_folder_without_tokenizer_needs_data_tokenizer(tmp_path: Path) -> None:
     """The weights' ids are unknown: data.tokenizer must name them, never a newly trained tokenizer."""
     with pytest.raises(ConfigError, match="hf has no tokenizer.model: set data.tokenizer to the sentencepiece"):
-        run_tokenizer(None, str(tmp_path / "hf"), resumed=None)
-    assert run_tokenizer("/tok/spm.model", str(tmp_path / "hf"), resumed=None) == "/tok/spm.model"
+        choose_tokenizer(None, str(tmp_path / "hf"), resumed=None)
+    assert choose_tokenizer("/tok/spm.model", str(tmp_path / "hf"), resumed=None) == "/tok/spm.model"
 
 
 def test_a_resume_takes_the_tokenizer_its_checkpoint_kept_even_without_the_folder(tmp_path: Path) -> None:
@@ -52,6 +52,6 @@ def test_a_resume_takes_the_tokenizer_its_checkpoint_kept_even_without_the_folde
     checkpoint.mkdir(parents=True)
     (checkpoint / "tokenizer.model").write_bytes(b"the run's sentencepiece model")
     gone = str(tmp_path / "purged_hf")
-    assert run_tokenizer(None, gone, resumed=checkpoint) == str(checkpoint / "tokenizer.model")
+    assert choose_tokenizer(None, gone, resumed=checkpoint) == str(checkpoint / "tokenizer.model")
     folder = folder_with_tokenizer(tmp_path, b"a replaced sentencepiece model")
-    assert run_tokenizer(None, str(folder), resumed=checkpoint) == str(checkpoint / "tokenizer.model")
+    assert choose_tokenizer(None, str(folder), resumed=checkpoint) == str(checkpoint / "tokenizer.model")

@@ -14,7 +14,7 @@ from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
 from parallel.fsdp.state_dict import TPSplit, boxed_parameters, fill_shard
 from parallel.tensor_parallel import TPContext
 from tests.e2e.launch import REPO
-from trainer.config import from_dict
+from trainer.config.schema import from_dict
 from trainer.parallelize import fsdp_unit_names
 
 # Big enough that TP slices cut through tiles (wqkv parts 256/128/128 over tp=4: 64-row slices).
@@ -78,7 +78,7 @@ def test_a_rank_of_llama3_70b_draws_only_its_share(monkeypatch):
     are drawn, not the rest of the TP slice. (A shard that is the whole slice, dp=1, is drawn the same
     way; the layouts' reassembly tests cover it at small sizes: its 5e8 draws here took 30 s of CI.)"""
     dp, shard_rank = 8, 5
-    args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model_args()
+    args = from_dict({"model": LLAMA3_70B, "seq_len": 128}).model
     drawn = _counting_draws(monkeypatch)
     tp_rank, tp = 3, 8
     start = time.perf_counter()
@@ -108,7 +108,7 @@ def test_no_two_tiles_of_llama3_8b_share_a_generator_across_two_seeds():
     """Every tile of every parameter of the full llama3_8b, for seeds 0 and 1, gets its own stream:
     two tiles with one seed would be exact copies (a seed sweep would share them)."""
     args = from_dict({"model": OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "llama3_8b.yaml")),
-                      "seq_len": 128}).model_args()
+                      "seq_len": 128}).model
     with torch.device("meta"):
         model = Transformer(args, TPContext())
     seeds = set()

@@ -118,7 +118,7 @@ def test_a_requeued_submitit_job_does_not_take_its_previous_runs_stop_for_its_ow
     (dump / "stopped.json").write_text('{"job": "4242", "step": 500, "signal": "SIGUSR2"}')
     attempt_1 = tmp_path / "torchrun"
     attempt_1.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
-                         "from pathlib import Path\nfrom trainer.preemption import take_over_stop_marker\n"
+                         "from pathlib import Path\nfrom trainer.resilience.preemption import take_over_stop_marker\n"
                          f"stopped = take_over_stop_marker(Path({str(dump)!r}), '4242', 1)\n"
                          "sys.exit(0 if stopped is None else 3)\n")
     attempt_1.chmod(0o755)

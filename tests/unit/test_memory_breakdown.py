@@ -6,7 +6,7 @@ import json
 import torch
 
 from tests.distributed.pipeline_cases import config, make_trainer
-from trainer.memory import MemorySnapshots
+from trainer.observability.memory import MemorySnapshots
 
 
 def test_step_1_breakdown_holds_no_optimizer_state(world, tmp_path, monkeypatch):

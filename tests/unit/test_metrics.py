@@ -6,7 +6,7 @@ import json
 import pytest
 
 from parallel.errors import ConfigError
-from trainer.metrics import MetricsLog, StepMetrics, read_history
+from trainer.observability.metrics import MetricsLog, StepMetrics, read_history
 
 
 def _metrics(step: int, wall_time: float) -> StepMetrics:
@@ -44,7 +44,7 @@ def test_a_history_line_without_an_integer_step_is_damage_named_by_its_line(tmp_
 def test_a_kill_during_the_resume_repair_does_not_supersede_records_twice(tmp_path, monkeypatch):
     """The moved records are appended to the superseded file before metrics.jsonl is replaced: a kill
     in between makes the next resume move the same records again, which are then not appended twice."""
-    from trainer import metrics
+    from trainer.observability import metrics
 
     log = MetricsLog(tmp_path, is_writer=True, total_steps=6, start_step=0)
     for step in range(1, 7):

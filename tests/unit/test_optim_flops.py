@@ -11,11 +11,10 @@ from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel import comm
-from trainer.loop import Trainer
-from trainer.config import OptimConfig
-from trainer.flops import device_peak_flops, training_flops_per_token
-from trainer.loop import token_loss_sum
+from trainer.config.schema import OptimConfig
+from trainer.observability.flops import device_peak_flops, training_flops_per_token
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
+from trainer.step import StepRunner, token_loss_sum
 
 
 def test_lr_warmup_then_cosine_to_min():
@@ -90,7 +89,7 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication(monkeypatch
         optimizer=SimpleNamespace(updates=lambda: 1))
     comm.LEDGER.reset()
     monkeypatch.setattr(comm.LEDGER.wait_clock, "total_s", lambda: 0.25)
-    m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
+    m = StepRunner._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=1.0)
     monkeypatch.undo()
     comm.LEDGER.reset()
     assert m.tflops == pytest.approx(per_token * 4 * 128 / 2 / 1e12)
@@ -98,12 +97,12 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication(monkeypatch
     assert m.comm_wait_s == 0.25
     assert m.mfu is None and m.mfu_compute is None  # a device with no known peak
     for elapsed in (0.0123456789, 0.3, 1.7, 2.9e-3):  # no wait: the same number, not one ulp below
-        m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=elapsed)
+        m = StepRunner._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=elapsed)
         assert m.tflops_compute == m.tflops and m.comm_wait_s == 0
 
     trainer.peak_flops = 2e9  # MFU: each device's achieved FLOP/s over its peak
     monkeypatch.setattr(comm.LEDGER.wait_clock, "total_s", lambda: 0.5)
-    m = Trainer._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=2.0)
+    m = StepRunner._metrics(trainer, step=1, loss=1.0, grad_norm=1.0, lr=1e-3, elapsed=2.0)
     comm.LEDGER.reset()
     assert m.mfu == pytest.approx(per_token * 4 * 128 / 2 / 2.0 / 2e9)
     assert m.mfu_compute == pytest.approx(m.mfu * 2.0 / 1.5)

@@ -48,7 +48,7 @@ def test_each_layout_of_a_world_keys_its_own_streams():
     """Same world, tp and pp, but another cp or replica count: another layout, whose ranks must not
     inherit these streams on a resume."""
     from parallel.mesh import ParallelDims
-    from trainer.state import rng_key
+    from trainer.checkpoint.state import rng_key
 
     layouts = [ParallelDims.from_sizes(8, 2, 2, 1, 1), ParallelDims.from_sizes(8, 2, 2, 2, 1),
                ParallelDims.from_sizes(8, 2, 2, 1, 2)]

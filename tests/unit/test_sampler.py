@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from parallel.errors import ConfigError
-from trainer.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
+from trainer.data.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainer.shuffle import RandomPermutation
+from trainer.data.shuffle import RandomPermutation
 
 _M64 = (1 << 64) - 1
 

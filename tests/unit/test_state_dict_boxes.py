@@ -10,7 +10,7 @@ from torch import nn
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
 from parallel.fsdp.state_dict import TPSplit, boxed_parameters, flat_range_boxes, shard_boxes
 from parallel.tensor_parallel import TPContext, mark_tp_dim, tp_local_slice
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint.files import load_checkpoint, save_checkpoint
 
 # name: (full shape, TP split): fused q/k/v rows, a row-parallel weight, a norm, a vocab-split embedding.
 PARAMS = {

@@ -1,8 +1,8 @@
-"""Typed training config built from hydra's DictConfig, and every static validation rule.
+"""The typed training config, built from hydra's resolved DictConfig: every key, its type and default.
 
-Rules that need no process group run here, before anything distributed starts, and each failure is
-one ConfigError line naming the key and the constraint. Keys of capabilities that are not built yet
-are rejected when set away from their defaults, never silently ignored.
+Building checks names and types (an unknown key, with the nearest known one; a value of the wrong type),
+each as one ConfigError line naming the key; the rules between values are rules.py's. Imports no
+torch: the launchers' override check reads it.
 """
 
 import dataclasses
@@ -15,34 +15,23 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from model.args import ModelArgs
 from parallel.errors import ConfigError
 
-CONFIG_FILE = "train_config.json"  # the resolved config, written into the dump_dir and each checkpoint
-LAYOUT_FILE = "layout.json"  # the latest job's parallel sizes and the keys inert on them (docs/outputs.md)
 
+@dataclass(frozen=True)
+class ModelConfig(ModelArgs):
+    """`model.*`: the model's own hyperparameters, written once in ModelArgs (model/args.py), and the keys of
+    how the trainer builds and runs it. `max_seq_len` is no key of its own: the run's seq_len sets it."""
 
-@dataclass
-class ModelConfig:
     name: str = "tiny"
-    n_layers: int = 2
-    dim: int = 64
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    vocab_size: int = 512
-    ffn_dim_multiplier: float | None = None
-    multiple_of: int = 32
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
     sequence_parallel: bool = False
     layer_ckpt: str = "none"
-    efficient_attn: str = "sdpa"
     attn_bias_type: str = "causal"
     use_te_layers: bool = False
-    use_fp8: bool = False
-    fp8_format: str = "hybrid"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
-    fp8_wgrad: bool = True
     fp8_all_gather: bool = False
+
+
+# Fields set from other keys, never given: a config written by an earlier run holds them, and they are
+# derived again as it is read.
+DERIVED = ("model.max_seq_len",)
 
 
 @dataclass
@@ -103,7 +92,7 @@ class EvalConfig:
 @dataclass
 class ResumeConfig:
     # Keys a resume may change although the checkpoint was written with other values (see
-    # trainer/fingerprint.py for which ones may be listed).
+    # trainer/checkpoint/fingerprint.py for which ones may be listed).
     allow_changed: list[str] = field(default_factory=list)
 
 
@@ -148,6 +137,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # `~` as the shell expands it: a quoted or composed dump_dir would otherwise make a folder named "~".
         self.dump_dir = os.path.expanduser(self.dump_dir)
+        self.model = dataclasses.replace(self.model, max_seq_len=self.seq_len)
 
     @property
     def virtual_pipeline_stages(self) -> int:
@@ -160,11 +150,6 @@ class TrainConfig:
     @property
     def num_microbatches(self) -> int:
         return self.batch_size // self.microbatch_size
-
-    def model_args(self) -> ModelArgs:
-        """The model-facing subset of `model.*`, plus the sequence length (what an HF export declares)."""
-        shared = {f.name: getattr(self.model, f.name) for f in fields(ModelArgs) if hasattr(self.model, f.name)}
-        return ModelArgs(**shared, max_seq_len=self.seq_len)
 
 
 ENUMS = {
@@ -204,6 +189,8 @@ def _known_keys(cls: type, prefix: str) -> list[str]:
     hints = get_type_hints(cls)
     keys = []
     for f in fields(cls):
+        if f"{prefix}{f.name}" in DERIVED:
+            continue
         if dataclasses.is_dataclass(hints[f.name]):
             keys += _known_keys(hints[f.name], f"{prefix}{f.name}.")
         else:
@@ -213,7 +200,8 @@ def _known_keys(cls: type, prefix: str) -> list[str]:
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
+    known = {f.name for f in fields(cls) if f"{prefix}{f.name}" not in DERIVED}
+    raw = {key: value for key, value in raw.items() if f"{prefix}{key}" not in DERIVED}
     for key in raw:
         if key not in known:
             raise ConfigError(unknown_key(f"{prefix}{key}"))

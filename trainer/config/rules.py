@@ -15,10 +15,11 @@ from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
-from trainer.config import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
-from trainer.fingerprint import ALLOWABLE
-from trainer.hf_import import check_hf_folder, run_tokenizer
-from trainer.resume import resumed_checkpoint
+from trainer.checkpoint.fingerprint import ALLOWABLE
+from trainer.checkpoint.hf_import import check_hf_folder
+from trainer.checkpoint.resume import resumed_checkpoint
+from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
+from trainer.data.tokenizer import choose_tokenizer
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -80,8 +81,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     if cfg.checkpoint.init_from_hf:
         resumed = resumed_checkpoint(cfg)
         if resumed is None:  # a resume reads its weights from the checkpoint: the folder may be gone
-            check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model_args())
-        run_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
+            check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model)
+        choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
     return dims
 
 
@@ -185,7 +186,7 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     _divisible("model.n_heads", m.n_heads, "model_parallel_size", tp)
     _divisible("model.n_kv_heads", m.n_kv_heads, "model_parallel_size", tp)
     _divisible("ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)",
-               cfg.model_args().ffn_hidden_dim, "model_parallel_size", tp)
+               cfg.model.ffn_hidden_dim, "model_parallel_size", tp)
     _divisible("model.vocab_size", m.vocab_size, "model_parallel_size", tp)
     if m.sequence_parallel:
         _divisible("seq_len", cfg.seq_len, "model_parallel_size (model.sequence_parallel=true)", tp)
@@ -303,7 +304,7 @@ def _check_transformer_engine(cfg: TrainConfig) -> None:
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:
     """The in/out sizes of every TP-local block linear, and (for the fp8 weight gradient, whose inner
     dimension it is) the tokens of one microbatch on one rank."""
-    args, tp = cfg.model_args(), cfg.model_parallel_size
+    args, tp = cfg.model, cfg.model_parallel_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     sizes = [
         ("model.dim", args.dim),

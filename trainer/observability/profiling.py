@@ -15,8 +15,8 @@ import torch
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.config import TrainConfig
-from trainer.dump_dir import TRACES_DIR
+from trainer.config.schema import TrainConfig
+from trainer.outputs import TRACES_DIR
 
 TOP_OPERATORS = 15
 # Python frames, recorded with profile_with_stack on every thread: an idle one (the dump_dir lock's

@@ -3,8 +3,8 @@
 Training is deterministic (fixed settings, no input shuffling, first N lines) so that every run on the
 same corpus and vocab size gets the byte-identical model, and therefore the same token stream. Byte
 fallback plus identity normalization make encode/decode an exact round trip for any text, code
-indentation included. Document reading lives here because both training and packing must agree on
-what a document is.
+indentation included. Which tokenizer a run uses (one given, the one a Hugging Face folder or a
+checkpoint carries, or one trained on the data) is decided here, once (`choose_tokenizer`).
 """
 
 import hashlib
@@ -17,6 +17,8 @@ from pathlib import Path
 import sentencepiece as spm
 
 from parallel.errors import ConfigError
+from trainer.data.sources import iter_documents
+from trainer.outputs import TOKENIZER_FILE
 
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 # 256 byte pieces + unk/bos/eos: below this sentencepiece cannot even hold the byte fallback.
@@ -100,63 +102,6 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.Decode(list(ids))
-
-
-TEXT_CHECK_BYTES = 1 << 20  # how much of each source file must be UTF-8 text
-
-
-def not_text_reason(path: Path) -> str | None:
-    """Why `path` is not UTF-8 text, or None. Checked on its first TEXT_CHECK_BYTES only: a file in
-    another encoding (UTF-16, Latin-1) or a binary one shows there, while a stray bad byte further on
-    is replaced when read rather than fatal."""
-    with path.open("rb") as f:
-        head = f.read(TEXT_CHECK_BYTES)
-        whole_file = not f.read(1)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if whole_file or e.start < len(head) - 3:  # not just a character cut at the end of the sample
-            return f"is not UTF-8 text (invalid byte at offset {e.start})"
-    if b"\0" in head:
-        return "is not text (it contains NUL bytes)"
-    return None
-
-
-def iter_documents(path: Path) -> Iterator[str]:
-    """Yields the documents of one file: each line's "text" for .jsonl, else the whole file, as written
-    (line endings kept: CRLF stays CRLF). A document with no text (an empty file or "text") is none."""
-    reason = not_text_reason(path)
-    if reason is not None:
-        raise ConfigError(f"data.source file {path} {reason}")
-    if path.suffix.lower() != ".jsonl":
-        with path.open(encoding="utf-8", errors="replace", newline="") as f:
-            text = f.read()
-        if text:
-            yield text
-        return
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip() and (text := _jsonl_text(line, path, line_no)):
-                yield text
-
-
-def _jsonl_text(line: str, path: Path, line_no: int) -> str:
-    where = f"data.source={path}:{line_no}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from exc
-    except (RecursionError, ValueError) as exc:  # valid JSON past Python's limits: nesting, integer digits
-        raise ConfigError(f"{where} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ConfigError(f'{where} has no string "text" field')
-    text = record["text"]
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer takes
-        raise ConfigError(f'{where}: its "text" is not Unicode text ({exc.reason} {text[exc.start]!r} at '
-                          f"character {exc.start})") from exc
-    return text
 
 
 # Fixed settings: changing any of them changes every trained model, so they are part of the cache key.
@@ -266,3 +211,48 @@ def _write_atomically(data: bytes, path: Path) -> Path:
 def trainer_settings_fingerprint() -> str:
     """A stable string of the training settings, for cache keys."""
     return json.dumps({**_TRAINER_SETTINGS, "max_lines": MAX_TRAINING_LINES}, sort_keys=True)
+
+
+def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer `data.tokenizer` names (None: none given), checked for what packing and the model need."""
+    if tokenizer_path is None:
+        return None
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer={tokenizer_path} {'is not a file' if path.exists() else 'does not exist'}")
+    tokenizer = Tokenizer(path)
+    if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
+        raise ConfigError(f"data.tokenizer={tokenizer_path} has no bos/eos pieces; packing needs both")
+    if tokenizer.vocab_size != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} does not match data.tokenizer={tokenizer_path} "
+            f"(vocab size {tokenizer.vocab_size})"
+        )
+    return tokenizer
+
+
+def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resumed: Path | None) -> str | None:
+    """The tokenizer a run uses: `data.tokenizer`; else, starting from a Hugging Face folder, the
+    folder's tokenizer.model (weights are only meaningful with the ids they were trained on), and
+    resuming (`resumed`: the checkpoint continued), the copy of it in that checkpoint, so a resume
+    does not need the folder any more; else None (a tokenizer is trained on the data). A folder
+    without one needs `data.tokenizer` named; a run that starts from a folder with one may not name
+    another (a resume keeps the tokenizer it trained with, which its fingerprint guards)."""
+    if init_from_hf is None:
+        return data_tokenizer
+    if data_tokenizer is None and resumed is not None and (resumed / TOKENIZER_FILE).is_file():
+        return str(resumed / TOKENIZER_FILE)
+    shipped = Path(init_from_hf).expanduser() / TOKENIZER_FILE
+    if data_tokenizer is None and not shipped.is_file():
+        raise ConfigError(f"checkpoint.init_from_hf={init_from_hf} has no {TOKENIZER_FILE}: set data.tokenizer to the "
+                          "sentencepiece model its weights were trained with (data.tokenizer=null would train a new "
+                          "one, with other ids)")
+    if data_tokenizer is None:
+        return str(shipped)
+    given = Path(data_tokenizer).expanduser()
+    # A missing data.tokenizer is left to the data preparation's own error line.
+    if resumed is None and shipped.is_file() and given.is_file() and given.read_bytes() != shipped.read_bytes():
+        raise ConfigError(f"data.tokenizer={data_tokenizer} is another sentencepiece model than {shipped}, whose ids "
+                          "the weights of checkpoint.init_from_hf were trained on: set data.tokenizer=null to use the "
+                          "folder's")
+    return data_tokenizer

@@ -9,7 +9,7 @@ resuming only needs the step number.
 import numpy as np
 
 from parallel.errors import ConfigError
-from trainer.shuffle import SHUFFLE_VERSION, RandomPermutation
+from trainer.data.shuffle import SHUFFLE_VERSION, RandomPermutation
 
 # Stored with every checkpoint, as the shuffle's version is: a resume refuses a split this version does not
 # make. Version 1 held out the last fraction of seq_len windows; version 2 the last fraction of tokens.

@@ -1,7 +1,7 @@
 """The torch.distributed.checkpoint half of checkpoints: write and read a state dict, and DCP's metadata
 through an allow-listed unpickler (a corrupt or hostile .metadata is an error line, not code).
 
-Importing DCP pulls in DTensor and sympy (about 0.7 s per process), so trainer/checkpoint.py imports
+Importing DCP pulls in DTensor and sympy (about 0.7 s per process), so trainer/checkpoint/files.py imports
 this module only when a checkpoint is written or read.
 """
 
@@ -18,8 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from parallel.fsdp.state_dict import BoxedParameter
-
-from trainer.checkpoint import CheckpointError, last_line
+from trainer.checkpoint.files import CheckpointError, last_line
 
 
 def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:

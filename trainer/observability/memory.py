@@ -24,8 +24,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from parallel.fsdp import FSDPRoot
-from trainer.dump_dir import SNAPSHOTS_DIR
 from trainer.optimizer import NamedAdamW
+from trainer.outputs import SNAPSHOTS_DIR
 
 CUDA_HISTORY_ENTRIES = 100_000
 

@@ -23,32 +23,6 @@ from parallel.fsdp.unit import FSDPUnit
 
 KEY = "checkpoint.init_from_hf"
 INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.model"  # what an export writes: the sentencepiece model of the weights' ids
-
-
-def run_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resumed: Path | None) -> str | None:
-    """The tokenizer a run uses: `data.tokenizer`; else, starting from a Hugging Face folder, the
-    folder's tokenizer.model (weights are only meaningful with the ids they were trained on), and
-    resuming (`resumed`: the checkpoint continued), the copy of it in that checkpoint, so a resume
-    does not need the folder any more; else None (a tokenizer is trained on the data). A folder
-    without one needs `data.tokenizer` named; a run that starts from a folder with one may not name
-    another (a resume keeps the tokenizer it trained with, which its fingerprint guards)."""
-    if init_from_hf is None:
-        return data_tokenizer
-    if data_tokenizer is None and resumed is not None and (resumed / TOKENIZER).is_file():
-        return str(resumed / TOKENIZER)
-    shipped = Path(init_from_hf).expanduser() / TOKENIZER
-    if data_tokenizer is None and not shipped.is_file():
-        raise ConfigError(f"{KEY}={init_from_hf} has no {TOKENIZER}: set data.tokenizer to the sentencepiece model "
-                          f"its weights were trained with (data.tokenizer=null would train a new one, with other ids)")
-    if data_tokenizer is None:
-        return str(shipped)
-    given = Path(data_tokenizer).expanduser()
-    # A missing data.tokenizer is left to the data preparation's own error line.
-    if resumed is None and shipped.is_file() and given.is_file() and given.read_bytes() != shipped.read_bytes():
-        raise ConfigError(f"data.tokenizer={data_tokenizer} is another sentencepiece model than {shipped}, whose ids "
-                          f"the weights of {KEY} were trained on: set data.tokenizer=null to use the folder's")
-    return data_tokenizer
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -1,4 +1,5 @@
-"""The optimizer-step loop: the pipeline runs the step's microbatches, then one gradient sync, one step.
+"""One optimizer step on this rank: the pipeline runs the step's microbatches, then one gradient sync,
+the norm, clipping and AdamW; also evaluation's forwards, and a step's metrics.
 
 The pipeline runtime (also with one stage, where its 1F1B program is forward, backward, forward, ...)
 is the microbatch scheduler of the FSDP protocol: it marks each chunk's first and last microbatch,
@@ -23,12 +24,14 @@ from parallel.fsdp import FSDPRoot, grad_norm, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
-from trainer.config import TrainConfig
-from trainer.data import BatchLoader
-from trainer.metrics import StepMetrics, peak_memory_gib, start_memory_peak
-from trainer.nonfinite import first_nonfinite_unit, halt_message
+from trainer.config.schema import TrainConfig
+from trainer.data.loader import BatchLoader
+from trainer.observability.flops import device_peak_flops, training_flops_per_token
+from trainer.observability.metrics import StepMetrics, peak_memory_gib, start_memory_peak
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
-from trainer.parallelize import model_unit_names
+from trainer.parallelize import (block_factory, build_chunks, build_runtime, compute_dtype, cp_context,
+                                 model_unit_names, parallelize, tp_context)
+from trainer.resilience.nonfinite import first_nonfinite_unit, halt_message
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
@@ -37,7 +40,10 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | 
 
 
 @dataclass
-class Trainer:
+class StepRunner:
+    """This rank's built model (chunks, FSDP roots, pipeline program) and optimizer, and what one step does
+    with them. The run's lifecycle around it is trainer.trainer.Trainer's."""
+
     cfg: TrainConfig
     mesh: ParallelMesh
     chunks: list[nn.Module]  # this pipeline rank's model chunks
@@ -50,6 +56,19 @@ class Trainer:
     peak_flops: float | None
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
     _fp8_scaling_started: bool = field(default=False, init=False)
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, mesh: ParallelMesh, loader: BatchLoader, device: torch.device,
+              eval_loader: BatchLoader | None = None) -> "StepRunner":
+        """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
+        dtype = compute_dtype(cfg, device)
+        chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh),
+                              block_factory(cfg, mesh))
+        roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]
+        return cls(cfg, mesh, chunks, roots, build_runtime(cfg, mesh, chunks, roots, dtype, device),
+                   NamedAdamW(chunks, cfg.optim), loader, device,
+                   flops_per_token=training_flops_per_token(cfg.model, cfg.seq_len),
+                   peak_flops=device_peak_flops(device), eval_loader=eval_loader)
 
     @cached_property
     def fp8_gemms(self) -> list[Fp8Gemm]:

@@ -23,9 +23,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from parallel import comm
-from trainer import early_signals
-
-STOPPED_FILE = "stopped.json"
+from trainer.outputs import STOPPED_FILE
+from trainer.resilience import early_signals
 
 
 def take_over_stop_marker(dump_dir: Path, job: str, restart_count: int) -> int | None:
@@ -46,7 +45,7 @@ def take_over_stop_marker(dump_dir: Path, job: str, restart_count: int) -> int |
 
 class StopRequest:
     """This rank's note of the stop signal, from the moment it is created (or, where a launcher had the
-    signal ignored, from the moment train.py started: trainer.early_signals)."""
+    signal ignored, from the moment train.py started: trainer.resilience.early_signals)."""
 
     def __init__(self, name: str | None):
         """`name`: a signal name without the SIG prefix (USR1), or None for no handler."""

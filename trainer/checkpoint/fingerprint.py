@@ -7,15 +7,14 @@ by name with `resume.allow_changed=[key,...]`. Layout keys (tp, pp, vpp, dp, cp,
 resharding, checkpointing) are not part of it: a checkpoint reloads under any layout.
 """
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError
-from trainer.config import TrainConfig, get_key
+from trainer.config.schema import TrainConfig, get_key
+from trainer.outputs import FINGERPRINT_FILE
 
-FINGERPRINT_FILE = "fingerprint.json"
 ARCHITECTURE = tuple(
     f"model.{k}" for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
                            "multiple_of", "norm_eps", "rope_theta", "attn_bias_type")
@@ -57,33 +56,6 @@ _HINTS = {
     "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "
                          "that batch_size x dp_shard x dp_replicate stays {old}",
 }
-
-
-DATA_BLOCKS, DATA_BLOCK_BYTES = 64, 64 << 10
-
-
-def data_fingerprint(tokens_file: Path, num_tokens: int, tokens_sha256: str) -> dict[str, str]:
-    """Content hashes of the packed tokens:
-      data_sha256  of every byte, computed as the cache was written (recorded in its meta.json), so any
-                   change of the data is seen without reading terabytes at every start
-      data         the first and the last MiB, with the token count
-      data_sample  64 blocks of 64 KiB spread evenly over the file (a file up to 4 MiB whole)
-    Checkpoints older than data_sha256 (or data_sample) lack it and are checked by the sampled hashes."""
-    size = tokens_file.stat().st_size
-    last_start = max(0, size - DATA_BLOCK_BYTES)
-    spread = sorted({last_start * i // (DATA_BLOCKS - 1) for i in range(DATA_BLOCKS)})
-    ends = [(0, 1 << 20), (max(0, size - (1 << 20)), 1 << 20)]
-    return {"data_sha256": tokens_sha256[:16], "data": _hash_blocks(tokens_file, num_tokens, ends),
-            "data_sample": _hash_blocks(tokens_file, num_tokens, [(s, DATA_BLOCK_BYTES) for s in spread])}
-
-
-def _hash_blocks(path: Path, num_tokens: int, blocks: list[tuple[int, int]]) -> str:
-    digest = hashlib.sha256(str(num_tokens).encode())
-    with open(path, "rb") as f:
-        for start, length in blocks:
-            f.seek(start)
-            digest.update(f.read(length))
-    return digest.hexdigest()[:16]
 
 
 def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Tokenizing a corpus is slow and training reads random fixed-length windows of it
 tokenized once into a flat array that every rank memory-maps (no copies, no per-rank RAM). The folder
 is written under a temporary name and renamed into place, so a folder with `meta.json` under the
 final name is always complete: a killed writer leaves only a temp folder that nothing reads, which the
-next build of the same folder removes (temp_dirs.py).
+next build of the same folder removes (temp_dirs.py). `data_fingerprint` is what a checkpoint records of
+the packed tokens, so that a resume on changed data is refused.
 """
 
 import hashlib
@@ -19,8 +20,9 @@ from typing import BinaryIO
 import numpy as np
 
 from parallel.errors import ConfigError
-from trainer.temp_dirs import WRITER_FILE, make_writer_temp_dir, remove_stale_temp_dirs
-from trainer.tokenizer import Tokenizer, iter_documents
+from trainer.data.sources import SOURCE_CHANGED, iter_documents, sources_fingerprint
+from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir, remove_stale_temp_dirs
+from trainer.data.tokenizer import Tokenizer
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
@@ -28,41 +30,6 @@ META_FILE = "meta.json"
 BATCH_CHARS = 4 << 20
 PROGRESS_STEP = 0.05
 PROGRESS_MIN_INTERVAL_S = 1.0
-
-
-_SAMPLE_BYTES = 4096
-# Pages read per file (every rank, every start): a file up to this many pages is hashed whole.
-_SAMPLE_PAGES = 16
-
-
-SOURCE_CHANGED = ("data.source changed while it was being prepared (a file was written to or replaced); "
-                  "start again once it is complete")
-
-
-def sources_fingerprint(text_files: list[Path]) -> str:
-    """Cheap fingerprint of the corpus: absolute path, size, mtime and content of every file, whole up
-    to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
-    a file replaced by another of the same size with its mtime kept (`cp -p`, `rsync -t`, an archive of
-    another version), which size and mtime alone miss; in a larger file, a same-size edit between the
-    pages with the mtime kept is not seen (remove its tokens-* and tokenizer-* folders to re-pack)."""
-    digest = hashlib.sha256()
-    for path in text_files:
-        stat = path.stat()
-        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        with open(path, "rb") as f:
-            for offset in _sample_offsets(stat.st_size):
-                f.seek(offset)
-                digest.update(f.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
-
-
-def _sample_offsets(size: int) -> list[int]:
-    """Start of each sampled page: every page of a small file, else evenly spaced, first and last included."""
-    pages = -(-size // _SAMPLE_BYTES)
-    if pages <= _SAMPLE_PAGES:
-        return [i * _SAMPLE_BYTES for i in range(pages)]
-    last = size - _SAMPLE_BYTES
-    return [last * i // (_SAMPLE_PAGES - 1) for i in range(_SAMPLE_PAGES)]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -269,6 +236,10 @@ class PackedTokens:
             else np.zeros(0, dtype=dtype)
         )
 
+    def fingerprint(self) -> dict[str, str]:
+        """What a checkpoint records of these tokens (data_fingerprint)."""
+        return data_fingerprint(self.path / TOKENS_FILE, self.num_tokens, self.meta["tokens_sha256"])
+
     def num_sequences(self, seq_len: int) -> int:
         """Windows of seq_len inputs + 1 shifted target; consecutive windows share one token."""
         if seq_len < 1:
@@ -286,3 +257,30 @@ class PackedTokens:
             raise IndexError(f"sequence {index} out of range for seq_len={seq_len}")
         start = index * seq_len
         return np.array(self._tokens[start : start + seq_len + 1], dtype=np.int64)
+
+
+DATA_BLOCKS, DATA_BLOCK_BYTES = 64, 64 << 10
+
+
+def data_fingerprint(tokens_file: Path, num_tokens: int, tokens_sha256: str) -> dict[str, str]:
+    """Content hashes of the packed tokens:
+      data_sha256  of every byte, computed as the cache was written (recorded in its meta.json), so any
+                   change of the data is seen without reading terabytes at every start
+      data         the first and the last MiB, with the token count
+      data_sample  64 blocks of 64 KiB spread evenly over the file (a file up to 4 MiB whole)
+    Checkpoints older than data_sha256 (or data_sample) lack it and are checked by the sampled hashes."""
+    size = tokens_file.stat().st_size
+    last_start = max(0, size - DATA_BLOCK_BYTES)
+    spread = sorted({last_start * i // (DATA_BLOCKS - 1) for i in range(DATA_BLOCKS)})
+    ends = [(0, 1 << 20), (max(0, size - (1 << 20)), 1 << 20)]
+    return {"data_sha256": tokens_sha256[:16], "data": _hash_blocks(tokens_file, num_tokens, ends),
+            "data_sample": _hash_blocks(tokens_file, num_tokens, [(s, DATA_BLOCK_BYTES) for s in spread])}
+
+
+def _hash_blocks(path: Path, num_tokens: int, blocks: list[tuple[int, int]]) -> str:
+    digest = hashlib.sha256(str(num_tokens).encode())
+    with open(path, "rb") as f:
+        for start, length in blocks:
+            f.seek(start)
+            digest.update(f.read(length))
+    return digest.hexdigest()[:16]

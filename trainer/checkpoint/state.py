@@ -19,11 +19,10 @@ from parallel.fsdp.unit import FSDPUnit
 from parallel.mesh import ParallelDims
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import TPContext
-from trainer.checkpoint import CheckpointError, checkpoint_keys, load_checkpoint
-from trainer.config import TrainConfig
+from trainer.checkpoint.files import CheckpointError, checkpoint_keys, load_checkpoint
+from trainer.config.schema import TrainConfig
+from trainer.data.sampler import GlobalBatchSampler
 from trainer.optimizer import ADAM_STATE, NamedAdamW
-from trainer.sampler import GlobalBatchSampler
-
 
 # Data-order versions newer than some checkpoints: one written before a version was stored made that
 # version's first kind, which this trainer cannot rebuild.
@@ -123,7 +122,7 @@ def load_full_weights(path: Path, cfg: TrainConfig, names: list[str] | None = No
     """Full fp32 weights {parameter name: tensor} from a checkpoint, in one process (export, tools):
     every parameter, or only `names` (DCP then reads only their bytes)."""
     with torch.device("meta"):
-        model = Transformer(cfg.model_args(), TPContext(size=1, rank=0))
+        model = Transformer(cfg.model, TPContext(size=1, rank=0))
     params = dict(model.named_parameters())
     wanted = params if names is None else {name: params[name] for name in names}
     state = {"model": {name: torch.empty(p.shape) for name, p in wanted.items()}}

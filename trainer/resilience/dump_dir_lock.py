@@ -29,36 +29,14 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
-from trainer.config import CONFIG_FILE, LAYOUT_FILE, TrainConfig
-from trainer.fingerprint import FINGERPRINT_FILE
-from trainer.metrics import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
-from trainer.preemption import STOPPED_FILE
+from trainer.outputs import JOB_FILES, LOCK_FILE, TAKEOVER_FILE, write_problem
 
-LOCK_FILE = ".lock"
-TAKEOVER_FILE = ".lock.takeover"
 TAKEOVER_RETRY_S = 0.1
 HEARTBEAT_S = 2.0
 STALE_AFTER_S = 30.0
 # A lock that looks stale by this host's clock is watched this long: a live holder touches it meanwhile
 # (its node's clock, or the file server's, may be far from ours).
 STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
-# The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
-JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
-             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE)
-# The folders a job may make in its dump_dir (output_folders says when).
-CHECKPOINTS_DIR = "checkpoints"
-TB_DIR = "tb"
-TRACES_DIR = "profile_traces"
-SNAPSHOTS_DIR = "memory_snapshots"
-
-
-def output_folders(cfg: TrainConfig) -> dict[str, str]:
-    """The folders the job will make in its dump_dir, each with the setting that asks for it."""
-    wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0, "checkpoint.freq > 0"),
-              TB_DIR: (cfg.metrics.tensorboard, "metrics.tensorboard=true"),
-              TRACES_DIR: (cfg.dump_profile_traces, "dump_profile_traces=true"),
-              SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step")}
-    return {name: setting for name, (used, setting) in wanted.items() if used}
 
 
 class DumpDirLock:
@@ -241,16 +219,4 @@ def _unwritable(dump_dir: Path, folders: dict[str, str]) -> str | None:
     if folders_in_the_way:
         return (f"dump_dir={dump_dir} has a folder named {folders_in_the_way[0]}, where the job writes a file; "
                 f"move it away")
-    return None
-
-
-def write_problem(folder: Path) -> str | None:
-    """Why files cannot be written into `folder` (created if missing), or None: a probe file is."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write_probe_{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        return f"is not a writable folder: {e.strerror or e}"
     return None

@@ -1,5 +1,5 @@
 """Resume: continue the newest complete checkpoint of the dump_dir, and only if that continues the
-same run (trainer/fingerprint.py), with a step count that does not end before it."""
+same run (trainer/checkpoint/fingerprint.py), with a step count that does not end before it."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -9,15 +9,14 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.errors import ConfigError
 from parallel.random import RNGStreams
-from trainer.checkpoint import (
-    CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint, refuse_damaged_newer, verify_checkpoint,
-)
-from trainer.config import TrainConfig
-from trainer.dump_dir import CHECKPOINTS_DIR
-from trainer.fingerprint import FINGERPRINT_FILE, check_resumable
-from trainer.metrics import check_history
-from trainer.sampler import GlobalBatchSampler
-from trainer.state import load_into
+from trainer.checkpoint.files import (CheckpointError, checkpoint_step, file_is_intact, latest_checkpoint,
+                                      refuse_damaged_newer, verify_checkpoint)
+from trainer.checkpoint.fingerprint import check_resumable
+from trainer.checkpoint.state import load_into
+from trainer.config.schema import TrainConfig
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.observability.metrics import check_history
+from trainer.outputs import CHECKPOINTS_DIR, FINGERPRINT_FILE
 
 
 def refuse_a_changed_run_early(cfg: TrainConfig, config_fingerprint: dict) -> None:

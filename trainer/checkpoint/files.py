@@ -40,7 +40,7 @@ def last_line(e: BaseException) -> str:
 
 def _dcp_io():
     """torch.distributed.checkpoint costs ~0.7 s of imports per process: only when a checkpoint is used."""
-    from trainer import dcp_io
+    from trainer.checkpoint import dcp_io
 
     return dcp_io
 

@@ -1,7 +1,7 @@
 """Temporary folders that record their writer, so that those a killed writer left can be reclaimed.
 
 Packed tokens are written under a hidden temporary name and renamed into place once complete
-(token_shards.py); a writer killed with SIGKILL leaves its folder behind, as large as the corpus' tokens,
+(shards.py); a writer killed with SIGKILL leaves its folder behind, as large as the corpus' tokens,
 and nothing else removes it. Each folder records its writer's host and process id when it is made. A
 folder is stale when that writer is gone: on this host, its process no longer exists; on another host
 (or with no record), nothing was written in it for STALE_AFTER_S. A live writer's folder is never stale.

@@ -18,12 +18,9 @@ from pathlib import Path
 import torch
 
 from parallel.errors import ConfigError
+from trainer.outputs import JOB_FILE, METRICS_FILE, REWRITE_FILE, SUPERSEDED_FILE
 
 GIB = 1024**3
-METRICS_FILE = "metrics.jsonl"
-SUPERSEDED_FILE = "metrics.superseded.jsonl"
-REWRITE_FILE = f".{METRICS_FILE}.tmp"  # a resume rewrites metrics.jsonl through it
-JOB_FILE = "job.json"  # which job writes metrics.jsonl
 
 
 def start_memory_peak(device: torch.device) -> None:

@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from parallel.launch_env import LaunchEnv
-from trainer.config import unknown_key
+from trainer.config.schema import unknown_key
 
 RANK0_FIRST_S = 2.0
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # conf/config.yaml's sweep folder expands `~` in dump_dir as TrainConfig does.
 OmegaConf.register_new_resolver("expanduser", os.path.expanduser, replace=True)
 CONFIG_GROUPS = {p.parent.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR}

@@ -21,8 +21,8 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from parallel import comm
-from trainer.checkpoint import (CheckpointError, ExtraFiles, complete_save, last_line, own_files, prepare_save,
-                                prune_checkpoints)
+from trainer.checkpoint.files import (CheckpointError, ExtraFiles, complete_save, last_line, own_files, prepare_save,
+                                      prune_checkpoints)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class AsyncCheckpointer:
     def save(self, step: int, state: dict) -> None:
         """Start saving `state`: prepare its folder and copy it to host memory (after completing the
         previous save, if the caller has not)."""
-        from trainer import dcp_io
+        from trainer.checkpoint import dcp_io
 
         self.wait()
         save = _InFlight(step, prepare_save(self.root, step, self.group, self.rank))

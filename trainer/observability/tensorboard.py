@@ -8,8 +8,8 @@ of the steps it redoes, as metrics.jsonl moves their records aside, so curves ne
 
 from pathlib import Path
 
-from trainer.dump_dir import TB_DIR
-from trainer.metrics import StepMetrics
+from trainer.observability.metrics import StepMetrics
+from trainer.outputs import TB_DIR
 
 _SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
             "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib", "skipped_steps")

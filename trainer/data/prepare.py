@@ -1,0 +1,122 @@
+"""Preparing the data cache: source files -> tokenizer (given, or trained on the sources) -> packed tokens.
+
+Preparation runs once, on the main rank, into the cache folder of its inputs (cache.py); every other
+rank validates the same inputs, then waits for that folder.
+"""
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from parallel.errors import ConfigError
+from trainer.data.cache import CachePaths, cache_key, wait_for_main_rank, write_error_marker
+from trainer.data.heartbeat import Heartbeat
+from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
+from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
+from trainer.data.tokenizer import Tokenizer, check_trainable_vocab_size, load_given_tokenizer, train_tokenizer
+from trainer.outputs import write_problem
+
+
+def prepare_dataset(
+    source: str | None,
+    tokenizer_path: str | Path | None,
+    vocab_size: int,
+    cache_dir: Path,
+    is_main_rank: bool,
+    log: Callable[[str], None],
+    timeout_s: float = 3600,
+    agree: Callable[[str], None] = lambda key: None,
+) -> tuple[Tokenizer, PackedTokens]:
+    """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
+
+    Every rank validates the source and a given tokenizer first, so bad input fails on all ranks at
+    once; `agree(cache key)` then raises on every rank unless all ranks computed the same key (a rank
+    that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
+    (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
+    main rank's heartbeat did not change.
+    """
+    if tokenizer_path is None:  # said now, not after the source is read
+        check_trainable_vocab_size(vocab_size)
+    files, left_out, links = list_source(source)
+    given = load_given_tokenizer(tokenizer_path, vocab_size)
+    sources = sources_fingerprint(files)
+    key = cache_key(sources, vocab_size, given)
+    agree(key)
+    paths = CachePaths(Path(cache_dir), key)
+    if paths.complete(given is not None):  # nothing is written: a complete cache may be on a read-only mount
+        if is_main_rank:
+            log(f"data: cached {paths.tokens}")
+    elif is_main_rank:
+        problem = write_problem(Path(cache_dir))
+        if problem is not None:
+            raise ConfigError(f"data.cache_dir={cache_dir} {problem} (the main rank builds the cache there)")
+        # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
+        paths.error.unlink(missing_ok=True)
+        if left_out:
+            log(f"data: left out {len(left_out)} file(s) under data.source={source} that are not "
+                f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
+        if links:
+            link, kept = next(iter(links.items()))
+            log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
+                f"e.g. {link} (read as {kept})")
+        with Heartbeat(paths.progress, timeout_s):
+            _build_or_mark_error(files, sources, vocab_size, given, paths, log)
+    else:
+        wait_for_main_rank(paths, given is not None, timeout_s)
+    tokenizer = given or Tokenizer(paths.tokenizer)
+    tokens = PackedTokens(paths.tokens)
+    if tokens.meta["tokenizer_sha256"] != tokenizer.sha256:
+        # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
+        raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
+                          f"{tokenizer.model_path}; delete {paths.tokens} to pack the data again")
+    return tokenizer, tokens
+
+
+def _build_or_mark_error(
+    files: list[Path],
+    sources: str,
+    vocab_size: int,
+    given: Tokenizer | None,
+    paths: CachePaths,
+    log: Callable[[str], None],
+) -> None:
+    try:
+        _build(files, sources, vocab_size, given, paths, log)
+    except Exception as exc:
+        write_error_marker(paths.error, exc)
+        raise
+
+
+def _build(
+    files: list[Path],
+    sources: str,
+    vocab_size: int,
+    given: Tokenizer | None,
+    paths: CachePaths,
+    log: Callable[[str], None],
+) -> None:
+    log(f"data: preparing {len(files)} files into {paths.tokens}")
+    remove_killed_writes(paths.tokens, log)  # first: a killed write can be as large as the tokens
+    tokenizer = given
+    if tokenizer is None:
+        if not paths.tokenizer.is_file():
+            start = time.monotonic()
+            log(f"data: training a BPE tokenizer, vocab_size={vocab_size}")
+            train_tokenizer(files, vocab_size, paths.tokenizer)
+            if sources_fingerprint(files) != sources:  # trained on text the tokens would not be packed from
+                paths.tokenizer.unlink()
+                raise ConfigError(SOURCE_CHANGED)
+            log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
+        tokenizer = Tokenizer(paths.tokenizer)
+    start = time.monotonic()
+    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources)
+    log(f"data: tokenized in {time.monotonic() - start:.1f} s")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a job's cgroup or taskset may grant fewer than the
+    machine has); every core where the platform has no affinity (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

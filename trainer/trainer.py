@@ -1,0 +1,195 @@
+"""The Trainer: one object that owns a training job's lifecycle on this rank.
+
+    trainer = Trainer(cfg, launch, mesh, device, stop_request, lock)  # build: data, model, RNG, fingerprint
+    start = trainer.resume()   # the newest checkpoint of the dump_dir, or a Hugging Face import, or step 0
+    trainer.train(start)       # the step loop: steps, evaluations, logs, checkpoint saves, stop signals
+    trainer.close()            # a save still in flight completes; outputs are closed
+
+The step itself (pipeline, gradient sync, optimizer) is step.StepRunner's; run.py starts the process and
+owns the dump_dir before a Trainer is built.
+"""
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from parallel import comm
+from parallel.launch_env import LaunchEnv
+from parallel.mesh import ParallelMesh
+from parallel.random import RNGStreams
+from trainer.checkpoint.async_save import AsyncCheckpointer
+from trainer.checkpoint.files import ExtraFiles, prune_checkpoints, save_checkpoint
+from trainer.checkpoint.fingerprint import config_fingerprint, run_fingerprint, write_fingerprint
+from trainer.checkpoint.hf_import import import_hf
+from trainer.checkpoint.resume import refuse_a_changed_run_early, resume, resumed_checkpoint
+from trainer.checkpoint.state import checkpoint_state
+from trainer.config.rules import inert_keys
+from trainer.config.schema import TrainConfig
+from trainer.data.build import build_data
+from trainer.observability.memory import MemorySnapshots
+from trainer.observability.metrics import MetricsLog, StepMetrics, record_history_owner
+from trainer.observability.profiling import StepProfiler
+from trainer.observability.tensorboard import TensorBoardLog
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINT_FILE, LAYOUT_FILE, TOKENIZER_FILE
+from trainer.parallelize import DTYPE_NAMES, compute_dtype
+from trainer.resilience.dump_dir_lock import DumpDirLock
+from trainer.resilience.nonfinite import weights_finite
+from trainer.resilience.preemption import StopOnSignal, StopRequest
+from trainer.step import StepRunner
+
+
+def log0(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, launch: LaunchEnv, mesh: ParallelMesh, device: torch.device,
+                 stop_request: StopRequest, lock: DumpDirLock | None) -> None:
+        """Build this rank's part of the job. `lock`: rank 0's hold on the dump_dir (None elsewhere)."""
+        self.cfg, self.launch, self.mesh, self.device = cfg, launch, mesh, device
+        self.stop_request, self.lock = stop_request, lock
+        self.rank, self.dump_dir = launch.rank, Path(cfg.dump_dir)
+        self.checkpoints = self.dump_dir / CHECKPOINTS_DIR
+        dtype_name = DTYPE_NAMES[compute_dtype(cfg, device)]
+        # Before the data is prepared (hours for a new corpus): a resume that would be refused says so now.
+        refuse_a_changed_run_early(cfg, config_fingerprint(cfg, dtype_name, cfg.batch_size * mesh.dims.dp))
+        self.data = build_data(cfg, mesh.dp_rank, mesh.dims.dp, self.rank, self.log, resumed_checkpoint(cfg))
+        self.runner = StepRunner.build(cfg, mesh, self.data.loader, device, self.data.eval_loader)
+        self.rng = RNGStreams(cfg.seed, self.runner.chunks[0].tp.rank, device)
+        self.fingerprint = run_fingerprint(cfg, dtype_name, self.data.loader.sampler.global_batch_size,
+                                           self.data.tokenizer.sha256, self.data.fingerprint)
+        self.background = AsyncCheckpointer(self.checkpoints, comm.world(), mesh.checkpoint_group, self.rank,
+                                            cfg.checkpoint.keep, self.extra_files(), self.log, device) \
+            if cfg.checkpoint.async_save else None
+        self.tensorboard: TensorBoardLog | None = None
+
+    def log(self, msg: str) -> None:
+        log0(self.rank, msg)
+
+    def state_dict(self, step: int) -> dict:
+        """What a checkpoint after `step` holds: views of the live tensors (a load writes into them)."""
+        return checkpoint_state(self.runner.roots, self.runner.optimizer, self.rng, self.data.loader.sampler,
+                                step=step, rank=self.rank, layout=self.mesh.dims)
+
+    def extra_files(self) -> ExtraFiles:
+        """The files every checkpoint carries besides the state: the tokenizer in use, the config, the
+        fingerprint (those two are written into the dump_dir as the job starts)."""
+        return {TOKENIZER_FILE: self.data.tokenizer.model_bytes, CONFIG_FILE: self.dump_dir / CONFIG_FILE,
+                FINGERPRINT_FILE: self.dump_dir / FINGERPRINT_FILE}
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint of the dump_dir (or, starting afresh, the Hugging Face
+        folder's weights); returns the step to continue after."""
+        cfg, launch = self.cfg, self.launch
+        start_step = resume(cfg, lambda: self.state_dict(step=0), self.rng, self.data.loader.sampler,
+                            self.fingerprint, self.rank, launch.world_size, launch.run_id, self.log)
+        if cfg.checkpoint.init_from_hf and start_step == 0:
+            import_hf(Path(cfg.checkpoint.init_from_hf), self.runner.roots, cfg.model, self.log)
+        elif cfg.checkpoint.init_from_hf:
+            self.log(f"checkpoint.init_from_hf={cfg.checkpoint.init_from_hf}: not read, the weights come from the "
+                     f"resumed step {start_step} checkpoint")
+        return start_step
+
+    def train(self, start_step: int) -> None:
+        """Train steps start_step + 1 .. cfg.steps (or until a stop signal)."""
+        cfg = self.cfg
+        if start_step == cfg.steps:
+            self.log(f"nothing to do: the newest checkpoint is step {start_step} = steps; raise steps to train on")
+            return
+        comm.barrier(comm.world())  # every rank has read metrics.jsonl (resume) before rank 0 repairs it
+        if self.rank == 0:
+            self._write_run_files()
+        metrics = MetricsLog(self.dump_dir, is_writer=self.rank == 0, total_steps=cfg.steps, start_step=start_step)
+        if cfg.metrics.tensorboard and self.rank == 0:
+            self.tensorboard = TensorBoardLog(self.dump_dir, start_step)
+        profiler = StepProfiler(cfg, self.rank, self.device)
+        memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, self.dump_dir, self.rank, self.device,
+                                 self.runner.roots, self.runner.optimizer)
+        stop = StopOnSignal(self.stop_request, comm.world(), self.device, self.dump_dir, self.launch.run_id)
+        try:
+            for step in range(start_step + 1, cfg.steps + 1):
+                with profiler.step(step), memory.recording(step):
+                    m = self.train_step(step)
+                if profiler.due(step):
+                    m.profiled = True
+                memory.after_step(step)
+                if self.lock is not None:
+                    self.lock.check_owned()  # before this step's outputs are written
+                if self._after_step(step, m, metrics, stop):
+                    break
+        except FloatingPointError:
+            # A non-finite halt is agreed by every rank, so they can still complete the save in flight
+            # together: it holds the last good state, which the next job's folder clean-up would delete.
+            if self.background is not None:
+                self.background.wait()
+            raise
+
+    def train_step(self, step: int) -> StepMetrics:
+        return self.runner.train_step(step)
+
+    def evaluate(self) -> float:
+        return self.runner.evaluate()
+
+    def _after_step(self, step: int, m: StepMetrics, metrics: MetricsLog, stop: StopOnSignal) -> bool:
+        """Evaluate, log, save and agree on a stop after `step`; returns whether the job stops here."""
+        cfg = self.cfg
+        evaluate = cfg.eval.freq > 0 and (step % cfg.eval.freq == 0 or step == cfg.steps)
+        if evaluate:
+            m.eval_loss = self.evaluate()
+        if evaluate or cfg.log_all_steps or step % cfg.log_freq == 0 or step in (1, cfg.steps):
+            metrics.log(m)
+            if self.tensorboard is not None:
+                self.tensorboard.log(m)
+        stopping = stop.agreed() and step < cfg.steps
+        if self.background is not None:
+            self.background.poll()
+        # With checkpoints on, the last step is saved too: steps past the last multiple of freq are not lost.
+        if (cfg.checkpoint.freq and (step % cfg.checkpoint.freq == 0 or step == cfg.steps)) or stopping:
+            self.save_checkpoint(step, in_background=not stopping)
+        if stopping:
+            if self.rank == 0:
+                stop.record(step)
+            self.log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
+        return stopping
+
+    def save_checkpoint(self, step: int, in_background: bool = True) -> None:
+        """Save after `step`: in the background (checkpoint.async_save), or now (before stopping on a signal).
+        Either way the save in flight, if any, completes first (its own line reports what that cost); the
+        stall reported here starts with the weight check, in both modes."""
+        comm.set_phase("checkpoint save")
+        if self.background is not None:
+            self.background.wait()
+        start = time.perf_counter()
+        if not weights_finite(self.runner.roots, comm.world()):
+            raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
+        if self.background is not None and in_background:
+            self.background.save(step, self.state_dict(step))
+            self.log(f"saving checkpoint of step {step} in the background (the step loop stalled "
+                     f"{time.perf_counter() - start:.3f} s)")
+            return
+        path = save_checkpoint(self.checkpoints, step, self.state_dict(step), comm.world(), self.rank,
+                               self.extra_files())
+        if self.rank == 0:
+            prune_checkpoints(self.checkpoints, self.cfg.checkpoint.keep)
+        self.log(f"saved checkpoint {path} (the step loop stalled {time.perf_counter() - start:.3f} s)")
+
+    def _write_run_files(self) -> None:
+        """Rank 0, as training starts: the resolved config, the layout, the fingerprint and the job that
+        writes the metrics."""
+        (self.dump_dir / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
+        layout = dataclasses.asdict(self.mesh.dims) | {"inert_keys": inert_keys(self.cfg, self.mesh.dims)}
+        (self.dump_dir / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+        write_fingerprint(self.dump_dir, self.fingerprint)
+        record_history_owner(self.dump_dir, self.launch.run_id)
+
+    def close(self) -> None:
+        """The save in flight completes (every rank together); the event files are closed."""
+        if self.background is not None:
+            self.background.wait()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
