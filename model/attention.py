@@ -97,7 +97,7 @@ def block_gemm(args: ModelArgs) -> Fp8Gemm | None:
 class AttentionCore(nn.Module):
     """softmax(q k^T) v as a module of its own, so selective checkpointing can recompute just this.
     Under context parallelism the queries are this rank's share of the sequence and the keys come
-    from every CP rank (parallel/context_parallel.py)."""
+    from every CP rank (parallel/context_parallel/)."""
 
     def __init__(self, impl: str, cp: CPContext):
         super().__init__()

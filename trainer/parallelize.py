@@ -10,7 +10,7 @@ import torch
 from model.init import ModelInitializer
 from model.te import TEBlocks
 from model.transformer import BlockFactory, Transformer
-from parallel.checkpointing import checkpoint_forward
+from parallel.activation_checkpoint import checkpoint_forward
 from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh

@@ -81,7 +81,8 @@ def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) 
             raise RuntimeError(
                 f"FSDP unit {unit.name} is recomputed in backward with parameter views made without grad (a "
                 "reentrant activation checkpoint around an FSDP unit would silently drop its gradients); "
-                "checkpoint with use_reentrant=False, or inside the unit (parallel.checkpointing.checkpoint_forward)")
+                "checkpoint with use_reentrant=False, or inside the unit "
+                "(parallel.activation_checkpoint.checkpoint_forward)")
         return None
     routed = None
     if torch.is_grad_enabled():

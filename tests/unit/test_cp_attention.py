@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from parallel import context_parallel
 from parallel.context_parallel import (
-    attention_backward, attention_with_lse, math_attention_backward, math_attention_with_lse,
+    CPContext, attention_backward, attention_with_lse, math_attention_backward, math_attention_with_lse,
 )
+from parallel.context_parallel import lse as cp_lse
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -82,8 +82,8 @@ def test_the_plain_formula_over_blocks_of_query_rows_equals_it_in_one_block(mask
     allowed = (docs[:, :, None] == docs[:, None, :]).tril() if mask == "documents" else None
     whole = math_attention_with_lse(q, k, v, True, allowed)
     whole_grads = math_attention_backward(grad_out, q, k, v, *whole, True, allowed)
-    monkeypatch.setattr(context_parallel, "SCORES_BUDGET", 2 * 4 * 12 * 5)  # blocks of 5, 5 and 2 rows
-    assert [(s.start, s.stop) for s in context_parallel._row_blocks(q, k)] == [(0, 5), (5, 10), (10, 12)]
+    monkeypatch.setattr(cp_lse, "SCORES_BUDGET", 2 * 4 * 12 * 5)  # blocks of 5, 5 and 2 rows
+    assert [(s.start, s.stop) for s in cp_lse._row_blocks(q, k)] == [(0, 5), (5, 10), (10, 12)]
     blocked = math_attention_with_lse(q, k, v, True, allowed)
     blocked_grads = math_attention_backward(grad_out, q, k, v, *blocked, True, allowed)
     for got, want in zip((*blocked, *blocked_grads), (*whole, *whole_grads)):
@@ -93,7 +93,7 @@ def test_the_plain_formula_over_blocks_of_query_rows_equals_it_in_one_block(mask
     torch.testing.assert_close(blocked[0], reference, rtol=1e-5, atol=1e-6)
 
 
-class _FirstOfTwoRanks(context_parallel.CPContext):
+class _FirstOfTwoRanks(CPContext):
     size, rank = 2, 0  # in place of a process group's
 
 

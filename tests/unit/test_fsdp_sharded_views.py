@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.checkpointing import checkpoint_forward
+from parallel.activation_checkpoint import checkpoint_forward
 from parallel.fsdp import FSDPConfig, fully_shard
 
 
