@@ -98,7 +98,7 @@ def scaled_mm(a: torch.Tensor, b_rows: torch.Tensor, inv_a: torch.Tensor, inv_b:
     On CUDA: torch._scaled_mm. torch's CPU _scaled_mm is a reference loop (~60 ns per multiply-add,
     2000x an fp32 GEMM), so on CPU the same product runs as an fp32 GEMM of the fp8 operands: fp8 values
     and their pairwise products are exact in fp32 and both accumulate in fp32, so the two differ only
-    in summation order (tests/unit/test_fp8.py holds them together)."""
+    in summation order (tests/unit/model/test_fp8.py holds them together)."""
     if a.device.type != "cpu":
         return torch._scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=inv_a, scale_b=inv_b,
                                 out_dtype=out_dtype)

@@ -16,7 +16,7 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
 class NamedAdamW:
     """AdamW (decoupled weight decay) over named parameters, step for step the arithmetic of
-    torch.optim.AdamW's single-tensor path (tests/unit/test_optim_flops.py holds them bitwise equal).
+    torch.optim.AdamW's single-tensor path (tests/unit/trainer/test_optim_flops.py holds them bitwise equal).
 
     In-tree rather than torch.optim: constructing a torch.optim.Optimizer imports torch._dynamo, 1.4 s
     of every process's start-up, and there are only a few flat fp32 shards to step."""

@@ -5,7 +5,7 @@ A rank's queries meet the sequence's keys block by block (all-gathered or ring-r
 all_gather.py and ring.py), so each block's result is partial: blocks merge by their log-sum-exp in
 fp32. The backward of a block takes the queries' FINAL output and log-sum-exp, which makes exp(s - lse)
 that block's share of the whole softmax: blocks need no second pass. On CPU the core is torch's flash
-kernel (it returns the log-sum-exp); elsewhere the plain formula in fp32 (tests/unit/test_cp_attention.py
+kernel (it returns the log-sum-exp); elsewhere the plain formula in fp32 (tests/unit/parallel/test_cp_attention.py
 holds the two together), run over blocks of query rows so that a long chunk never holds more than
 SCORES_BUDGET fp32 scores at once.
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 DATA_CACHE = REPO / ".cache" / "data"
 
 

@@ -162,7 +162,7 @@ def test_a_sharded_export_loads_one_shard_at_a_time_and_gives_the_same_model(tmp
     assert export_hf.main([str(ckpt), str(tmp_path / "whole"), "--no-tokenizer"]) == 0
     largest = max(p.numel() for p in _our_model(ckpt).parameters())
     loaded = []
-    load = trainer.state.load_checkpoint
+    load = trainer.checkpoint.state.load_checkpoint
     monkeypatch.setattr(trainer.checkpoint.state, "load_checkpoint",
                         lambda path, state, group: (loaded.append(sum(t.numel() for t in state["model"].values())),
                                                     load(path, state, group)))

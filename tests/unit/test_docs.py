@@ -3,11 +3,11 @@ and nothing in the repository points outside it."""
 
 import re
 import subprocess
-from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 GROUPS = {"model": "model", "data": "data", "optim": "optim", "checkpoint": "checkpoint"}
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 # trainer/data's modules in the order data flows; each may import only those before it.
 DATA_ORDER = ("temp_dirs", "heartbeat", "sources", "tokenizer", "shards", "cache", "prepare", "shuffle", "sampler",
               "loader", "build")

@@ -9,10 +9,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from parallel.errors import ConfigError
+from tests import REPO
 from trainer.config.rules import layout_noops, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = REPO / "conf"
 CONTRACT_KEYS = (
     "dump_dir steps seed batch_size microbatch_size seq_len model_parallel_size pipeline_parallel_size "
     "context_parallel_size num_layers_per_virtual_pipeline_stage pipeline_schedule context_parallel_comm "
@@ -212,7 +213,7 @@ def test_dump_dir_expands_home_as_the_shell_would():
 @pytest.mark.parametrize("version, accepted", [("1.12.0", False), ("2.0.0", True), ("2.20.2", True)])
 def test_te_layers_need_transformer_engine_2(monkeypatch, request, version, accepted):
     """model/te.py uses TE 2.x's scaling state and recipe; an older TE (e.g. in an older container) is named."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fake_te"))
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "fake_te"))
     import transformer_engine
 
     request.addfinalizer(lambda: sys.modules.pop("transformer_engine", None))  # the stand-in stays in this test

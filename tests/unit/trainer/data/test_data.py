@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from parallel.errors import ConfigError
+from tests import REPO
 from trainer.data import prepare as data
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
@@ -22,7 +23,7 @@ from trainer.data.sources import default_corpus_files, iter_documents, list_sour
 from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 320
-SHARED_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
+SHARED_CACHE = REPO / ".cache" / "data"
 
 
 def _source_files(source: str) -> list[Path]:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from parallel import comm
+from tests import REPO
 
 
 @pytest.fixture
@@ -58,9 +59,8 @@ def test_a_collective_refuses_group_none_which_here_means_no_group(collective):
 def test_no_source_passes_none_to_a_collective():
     """Scripts that tests only import (the benches) would meet the refusal above only when run."""
     import re
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     call = re.compile(r"comm\.(all_reduce|all_gather_into_tensor|reduce_scatter_tensor|batch_isend_irecv|barrier|"
                       r"all_gather_object)\((?:[^()]|\([^()]*\))*\bNone\b")
     offenders = [f"{path.relative_to(root)}: {m.group(0)}" for folder in ("parallel", "model", "trainer", "scripts")

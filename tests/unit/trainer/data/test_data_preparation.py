@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from parallel.errors import ConfigError
+from tests import REPO
 from trainer.data import prepare as data
 from trainer.data.cache import CachePaths
 from trainer.data.heartbeat import Heartbeat
@@ -22,7 +23,6 @@ from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir
 from trainer.data.tokenizer import Tokenizer
 
 VOCAB = 320
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_waiting_rank_gets_main_rank_result(corpus: Path, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ against the analytic values and against torch.distributed.pipelining's interleav
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from parallel.pipeline import schedule as S
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import Action, chunk_layers, pipeline_actions, schedule_actions
 from parallel.pipeline.simulate import ScheduleError, random_costs, simulate, uniform_costs
-
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
 
 
 def _cases():
