@@ -1,6 +1,8 @@
 """Export a training checkpoint as a Hugging Face Llama folder: config.json, the weights (model.safetensors,
-or shards model-0000i-of-0000n.safetensors and model.safetensors.index.json), tokenizer.model and
-tokenizer_config.json (transformers reads the tokenizer with `sentencepiece` and `protobuf` installed).
+or shards model-0000i-of-0000n.safetensors and model.safetensors.index.json), and the run's tokenizer in
+its own format: a tokenizer.json with its tokenizer_config.json as the run read them, or a sentencepiece
+tokenizer.model with the tokenizer_config.json transformers needs to give training's ids (transformers
+reads it with `sentencepiece` and `protobuf` installed).
 
 Evaluation harnesses and inference servers read Hugging Face's layout, not DCP shards. The export runs
 as one plain process (no torchrun, no process group): the manifest is verified locally and DCP loads in
@@ -34,7 +36,7 @@ from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_
 from trainer.checkpoint.hf_import import INDEX  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
 from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
+from trainer.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -99,7 +101,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         raise ConfigError(problem)
     cfg = read_train_config(ckpt)
     args = cfg.model
-    tokenizer = Tokenizer(ckpt / "tokenizer.model")
+    tokenizer = load_tokenizer(ckpt, "checkpoint")
     difference = tokenization_difference(tokenizer) if with_tokenizer else None
     if difference:
         raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
@@ -144,6 +146,10 @@ NORMALIZATION_PROBES = ("a\n    b", "x  y", "trail ", "\uff46\uff55\uff4c\uff4c"
 
 def tokenization_difference(tokenizer: Tokenizer) -> str | None:
     """Where transformers would tokenize text otherwise than training did (None: nowhere probed)."""
+    if tokenizer.kind == "huggingface":
+        return None  # its own files go out as the run read them
+    if tokenizer.kind != "sentencepiece":
+        return f"the run's tokenizer is a {tokenizer.kind} file, whose export is not built yet"
     if tokenizer.model_type != "bpe":
         return (f"the model is a sentencepiece {tokenizer.model_type} model: transformers' Llama tokenizer "
                 "segments text as BPE, into other tokens")
@@ -159,7 +165,8 @@ def tokenization_difference(tokenizer: Tokenizer) -> str | None:
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """tokenizer.model, and how transformers must read it to give training's ids: the run tokenizer's own
+    """A Hugging Face tokenizer's files as the run read them. A sentencepiece model's tokenizer.model, and
+    how transformers must read it to give training's ids: the run tokenizer's own
     bos first (packing puts one before every document), no eos appended, a space prefixed only where the
     model itself adds one (the BPE trained here does not). Special tokens are named by the model's own
     pieces: a sentencepiece model given in data.tokenizer may number and name them otherwise than ours.
@@ -168,6 +175,10 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     One difference transformers keeps for a model that adds a prefix space: text that itself begins
     with whitespace (or with "\u2581", sentencepiece's space symbol) tokenizes differently there
     (documents rarely do; ours adds none)."""
+    if tokenizer.kind == "huggingface":
+        for name, data in tokenizer.files.items():
+            (out / name).write_bytes(data)
+        return
     (out / "tokenizer.model").write_bytes(tokenizer.model_bytes)
     config = {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,

@@ -11,7 +11,7 @@ from trainer.config.schema import TrainConfig
 CONFIG_FILE = "train_config.json"  # the resolved config, also copied into each checkpoint
 LAYOUT_FILE = "layout.json"  # the latest job's parallel sizes and the keys inert on them
 FINGERPRINT_FILE = "fingerprint.json"  # what the run is, for a resume to compare (also in each checkpoint)
-TOKENIZER_FILE = "tokenizer.model"  # the tokenizer in use, in each checkpoint (and in a Hugging Face folder)
+TOKENIZER_FILE = "tokenizer.model"  # a sentencepiece or tiktoken model (in checkpoints, as in Llama folders)
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of steps a resumed job redid
 REWRITE_FILE = f".{METRICS_FILE}.tmp"  # a resume rewrites metrics.jsonl through it

@@ -34,7 +34,7 @@ from trainer.observability.memory import MemorySnapshots
 from trainer.observability.metrics import MetricsLog, StepMetrics, record_history_owner
 from trainer.observability.profiling import StepProfiler
 from trainer.observability.tensorboard import TensorBoardLog
-from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINT_FILE, LAYOUT_FILE, TOKENIZER_FILE
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINT_FILE, LAYOUT_FILE
 from trainer.parallelize import DTYPE_NAMES, compute_dtype
 from trainer.resilience.dump_dir_lock import DumpDirLock
 from trainer.resilience.nonfinite import weights_finite
@@ -79,7 +79,7 @@ class Trainer:
     def extra_files(self) -> ExtraFiles:
         """The files every checkpoint carries besides the state: the tokenizer in use, the config, the
         fingerprint (those two are written into the dump_dir as the job starts)."""
-        return {TOKENIZER_FILE: self.data.tokenizer.model_bytes, CONFIG_FILE: self.dump_dir / CONFIG_FILE,
+        return {**self.data.tokenizer.files, CONFIG_FILE: self.dump_dir / CONFIG_FILE,
                 FINGERPRINT_FILE: self.dump_dir / FINGERPRINT_FILE}
 
     def resume(self) -> int:

@@ -33,7 +33,7 @@ from model.transformer import Transformer  # noqa: E402
 from scripts.bench.agreement import require_agreement  # noqa: E402
 from scripts.export_hf import hf_config, to_hf  # noqa: E402
 from trainer.config.schema import from_dict  # noqa: E402
-from trainer.data.tokenizer import BOS_ID, EOS_ID  # noqa: E402
+from trainer.data.tokenizer_spm import BOS_ID, EOS_ID  # noqa: E402
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:

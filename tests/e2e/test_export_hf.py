@@ -20,7 +20,7 @@ from model.transformer import Transformer
 from tests.e2e.launch import REPO, train_ok
 from trainer.checkpoint.state import load_full_weights
 from trainer.config.schema import from_dict
-from trainer.data.tokenizer import BOS_ID, Tokenizer
+from trainer.data.tokenizer_spm import BOS_ID, SentencePieceTokenizer
 
 EXPORT = REPO / "scripts" / "export_hf.py"
 # Relative to the logit scale. Not bitwise: HF may pick another attention kernel (eager measured ~2e-7).
@@ -91,7 +91,7 @@ def test_export_matches_transformers_llama(tmp_path: Path, checkpoint_of, name: 
     # The exported tokenizer gives training's ids: BOS first, then our encoding.
     text = "def tokenize(line):\n    return line.split()  # 42 words"
     hf_ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids
-    assert hf_ids == [BOS_ID, *Tokenizer(ckpt / "tokenizer.model").encode(text)]
+    assert hf_ids == [BOS_ID, *SentencePieceTokenizer(ckpt / "tokenizer.model").encode(text)]
 
 
 def test_a_bad_checkpoint_or_a_used_output_folder_is_one_error_line(tmp_path: Path, checkpoint_of) -> None:

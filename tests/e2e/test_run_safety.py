@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.launch import ENV, REPO, assert_one_error, command, losses, metrics, start, train, train_ok
-from trainer.data.tokenizer import train_tokenizer
+from trainer.data.tokenizer_spm import train_tokenizer
 
 FAST = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "optim.warmup_steps=1")
 

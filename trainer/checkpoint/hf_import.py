@@ -20,6 +20,7 @@ from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
 from parallel.fsdp.unit import FSDPUnit
+from trainer.data.tokenizer import Tokenizer
 
 KEY = "checkpoint.init_from_hf"
 INDEX = "model.safetensors.index.json"
@@ -64,6 +65,16 @@ def check_hf_folder(folder: Path, args: ModelArgs) -> None:
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
     check_tensor_shapes(folder, args, tied=bool(config.get("tie_word_embeddings", False)))
+
+
+def check_token_ids(config: dict, tokenizer: Tokenizer, folder: Path) -> None:
+    """config.json's bos and eos ids are the tokenizer's: weights trained with other ids would take every
+    document boundary packing writes for another token. A list of eos ids (instruct models) must hold it."""
+    for field, ours in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)):
+        theirs = config.get(field)
+        if theirs is not None and ours not in (theirs if isinstance(theirs, list) else [theirs]):
+            raise ConfigError(f"{KEY}={folder}: config.json's {field}={theirs!r} is not the id of the tokenizer's "
+                              f"{field.split('_')[0]} token ({tokenizer.path}: {ours})")
 
 
 def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:

@@ -16,10 +16,10 @@ from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
-from trainer.checkpoint.hf_import import check_hf_folder
+from trainer.checkpoint.hf_import import check_hf_folder, check_token_ids, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
-from trainer.data.tokenizer import choose_tokenizer
+from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -80,9 +80,11 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
         resumed = resumed_checkpoint(cfg)
+        tokenizer = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
         if resumed is None:  # a resume reads its weights from the checkpoint: the folder may be gone
-            check_hf_folder(Path(cfg.checkpoint.init_from_hf), cfg.model)
-        choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
+            folder = Path(cfg.checkpoint.init_from_hf)
+            check_hf_folder(folder, cfg.model)
+            check_token_ids(read_hf_config(folder), load_tokenizer(tokenizer.path, tokenizer.key), folder)
     return dims
 
 

@@ -25,12 +25,13 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
                resumed: Path | None) -> Data:
     """This data-parallel rank's data. `rank`: the global rank (rank 0 prepares the cache); `resumed`: the
     checkpoint the run continues, whose copy of the tokenizer it keeps (None: a fresh start)."""
-    tokenizer_path = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
-    if tokenizer_path != cfg.data.tokenizer:
-        log(f"data: tokenizer {tokenizer_path} (that of checkpoint.init_from_hf; data.tokenizer is null)")
+    choice = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
+    if choice.note:
+        log(choice.note)
     tokenizer, tokens = prepare_dataset(
-        cfg.data.source, tokenizer_path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
+        cfg.data.source, choice.path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=same_data_on_every_rank,
+        tokenizer_key=choice.key,
     )
     global_batch = cfg.batch_size * dp_size
     tokens.num_sequences(cfg.seq_len)  # refuses data shorter than one sequence in a line naming seq_len

@@ -15,7 +15,8 @@ from pathlib import Path
 from parallel.errors import ConfigError
 from trainer.data.heartbeat import ProgressWatch
 from trainer.data.shards import is_complete
-from trainer.data.tokenizer import Tokenizer, trainer_settings_fingerprint
+from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer_spm import trainer_settings_fingerprint
 
 # Bump when the cache layout or packing format changes, so old caches are not reused.
 # 2: meta.json records the packed tokens' sha256; documents are packed byte-exact, empty ones dropped.

@@ -14,7 +14,8 @@ from trainer.data.cache import CachePaths, cache_key, wait_for_main_rank, write_
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
 from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
-from trainer.data.tokenizer import Tokenizer, check_trainable_vocab_size, load_given_tokenizer, train_tokenizer
+from trainer.data.tokenizer import Tokenizer, load_given_tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer, check_trainable_vocab_size, train_tokenizer
 from trainer.outputs import write_problem
 
 
@@ -27,6 +28,7 @@ def prepare_dataset(
     log: Callable[[str], None],
     timeout_s: float = 3600,
     agree: Callable[[str], None] = lambda key: None,
+    tokenizer_key: str = "data.tokenizer",
 ) -> tuple[Tokenizer, PackedTokens]:
     """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
 
@@ -34,12 +36,12 @@ def prepare_dataset(
     once; `agree(cache key)` then raises on every rank unless all ranks computed the same key (a rank
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
-    main rank's heartbeat did not change.
+    main rank's heartbeat did not change. `tokenizer_key` names where `tokenizer_path` came from.
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
     files, left_out, links = list_source(source)
-    given = load_given_tokenizer(tokenizer_path, vocab_size)
+    given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key)
     sources = sources_fingerprint(files)
     key = cache_key(sources, vocab_size, given)
     agree(key)
@@ -64,12 +66,12 @@ def prepare_dataset(
             _build_or_mark_error(files, sources, vocab_size, given, paths, log)
     else:
         wait_for_main_rank(paths, given is not None, timeout_s)
-    tokenizer = given or Tokenizer(paths.tokenizer)
+    tokenizer = given or SentencePieceTokenizer(paths.tokenizer)
     tokens = PackedTokens(paths.tokens)
     if tokens.meta["tokenizer_sha256"] != tokenizer.sha256:
         # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
         raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
-                          f"{tokenizer.model_path}; delete {paths.tokens} to pack the data again")
+                          f"{tokenizer.path}; delete {paths.tokens} to pack the data again")
     return tokenizer, tokens
 
 
@@ -108,7 +110,7 @@ def _build(
                 paths.tokenizer.unlink()
                 raise ConfigError(SOURCE_CHANGED)
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
-        tokenizer = Tokenizer(paths.tokenizer)
+        tokenizer = SentencePieceTokenizer(paths.tokenizer)
     start = time.monotonic()
     write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")

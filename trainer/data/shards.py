@@ -174,7 +174,7 @@ def _write_tokens(
         "tokens_sha256": packer.digest.hexdigest(),
         "dtype": dtype.name,
         "vocab_size": tokenizer.vocab_size,
-        "tokenizer_path": str(tokenizer.model_path.resolve()),
+        "tokenizer_path": str(tokenizer.path.resolve()),
         "tokenizer_sha256": tokenizer.sha256,
         "num_documents": packer.num_documents,
         "num_files": len(text_files),

@@ -1,258 +1,134 @@
-"""SentencePiece tokenizer: the wrapper the trainer uses, and deterministic BPE training.
+"""The one tokenizer interface the data path uses, which file a run's tokenizer is, and the loading of any
+supported format behind it.
 
-Training is deterministic (fixed settings, no input shuffling, first N lines) so that every run on the
-same corpus and vocab size gets the byte-identical model, and therefore the same token stream. Byte
-fallback plus identity normalization make encode/decode an exact round trip for any text, code
-indentation included. Which tokenizer a run uses (one given, the one a Hugging Face folder or a
-checkpoint carries, or one trained on the data) is decided here, once (`choose_tokenizer`).
+Formats are told apart by content, not by name (Llama 3 ships a tiktoken file named tokenizer.model, the
+name sentencepiece models have too): a Hugging Face tokenizer.json (tokenizer_hf.py), a tiktoken BPE file
+(tokenizer_tiktoken.py), or a sentencepiece model (tokenizer_spm.py, also what the trainer builds from
+the corpus when no tokenizer is given). A folder is read through the first of FOLDER_FILES it holds.
 """
 
-import hashlib
-import io
-import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
-
-import sentencepiece as spm
+from typing import NamedTuple, Protocol
 
 from parallel.errors import ConfigError
-from trainer.data.sources import iter_documents
+from trainer.data.tokenizer_hf import CONFIG_FILE as HF_CONFIG_FILE
+from trainer.data.tokenizer_hf import JSON_FILE, HuggingFaceTokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
+from trainer.data.tokenizer_tiktoken import TiktokenTokenizer, parse_ranks
 from trainer.outputs import TOKENIZER_FILE
 
-BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
-# 256 byte pieces + unk/bos/eos: below this sentencepiece cannot even hold the byte fallback.
-MIN_VOCAB_SIZE = 256 + 3 + 1
-# Caps tokenizer training input: enough text for a good BPE, small enough for seconds on 2 cores.
-MAX_TRAINING_LINES = 300_000
-# Fixed, not the cores at hand: sentencepiece records num_threads in the model it writes, and the model's
-# bytes (its sha256 is checked against the packed tokens and the run fingerprint) must not depend on the
-# machine. More threads would gain little: they only normalize the lines, BPE merges run on one.
-TRAINING_THREADS = 2
+FORMATS = "a sentencepiece model, a Hugging Face tokenizer.json or a tiktoken BPE file"
+# In a folder (a Hugging Face model, a checkpoint): tokenizer.json first, as transformers reads it.
+FOLDER_FILES = (JSON_FILE, TOKENIZER_FILE, f"original/{TOKENIZER_FILE}")
 
 
-class Tokenizer:
-    """A loaded SentencePiece model. Its file is read once: `model_bytes` (what checkpoints and exports
-    carry) and `sha256` are of the very model in use, even if the file is replaced meanwhile."""
-
-    def __init__(self, model_path: Path) -> None:
-        self._model_path = Path(model_path)
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self.model_bytes = self._model_path.read_bytes()
-            self._sp.LoadFromSerializedProto(self.model_bytes)
-        except (OSError, RuntimeError) as exc:
-            raise ConfigError(f"data.tokenizer={model_path} is not a sentencepiece model") from exc
-        self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
+class Tokenizer(Protocol):
+    kind: str  # "sentencepiece", "huggingface" or "tiktoken"
+    path: Path  # the file read
+    vocab_size: int  # ids are 0 .. vocab_size - 1, special tokens included
+    bos_id: int
+    eos_id: int
+    adds_bos: bool  # whether a text (a prompt) starts with bos for this tokenizer's models
+    sha256: str  # of the files read, as they were read
 
     @property
-    def model_path(self) -> Path:
-        return self._model_path
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.GetPieceSize()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def unk_id(self) -> int:
-        return self._sp.unk_id()
-
-    def piece(self, token_id: int) -> str:
-        """The text of a token (e.g. "<s>" for a bos)."""
-        return self._sp.IdToPiece(token_id)
-
-    @property
-    def adds_prefix_space(self) -> bool:
-        """Whether the model encodes text as if it began with a space (sentencepiece's add_dummy_prefix,
-        on by default and in Llama 2's tokenizer; the BPE trained here has it off)."""
-        return self._sp.Normalize("x").startswith("\u2581")  # the normalizer itself, whatever the vocabulary
-
-    @property
-    def model_type(self) -> str:
-        """How the model segments: "bpe" (ours, Llama's), "unigram" (sentencepiece's default), "word", "char"."""
-        from sentencepiece import sentencepiece_model_pb2
-
-        proto = sentencepiece_model_pb2.ModelProto.FromString(self.model_bytes)
-        return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
-
-    @property
-    def has_byte_fallback(self) -> bool:
-        """Whether text outside the vocabulary becomes its UTF-8 bytes rather than <unk>: sentencepiece
-        adds the 256 byte pieces, <0x00> to <0xFF>, only with byte_fallback."""
-        return self._sp.IsByte(self._sp.PieceToId("<0x00>"))
-
-    def normalize(self, text: str) -> str:
-        """The text as the model's normalizer hands it to the segmenter (spaces shown as "\u2581")."""
-        return self._sp.Normalize(text)
+    def files(self) -> dict[str, bytes]:
+        """What checkpoints carry (and a resume reads back): {file name: the bytes read}."""
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.Encode(text)
+        """The ids of `text` (no bos or eos; text spelling a special token stays text)."""
 
     def encode_batch(self, texts: list[str], num_threads: int = 2) -> list[list[int]]:
-        """Encodes many texts in one call: far faster than a Python loop over `encode`."""
-        return self._sp.Encode(texts, num_threads=num_threads)
+        """encode for many texts in one call."""
 
     def decode(self, ids: list[int]) -> str:
-        return self._sp.Decode(list(ids))
+        """The text of `ids`."""
 
 
-# Fixed settings: changing any of them changes every trained model, so they are part of the cache key.
-_TRAINER_SETTINGS = dict(
-    model_type="bpe",
-    byte_fallback=True,
-    unk_id=UNK_ID,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    pad_id=-1,
-    # Identity normalization, kept whitespace and no dummy prefix: decode(encode(x)) == x exactly.
-    normalization_rule_name="identity",
-    remove_extra_whitespaces=False,
-    add_dummy_prefix=False,
-    allow_whitespace_only_pieces=True,
-    split_digits=True,
-    character_coverage=0.9995,
-    # No shuffling: the first MAX_TRAINING_LINES lines, always the same ones.
-    shuffle_input_sentence=False,
-    input_sentence_size=MAX_TRAINING_LINES,
-    max_sentence_length=1 << 16,
-    minloglevel=2,
-)
+def tokenizer_file(path: Path) -> Path | None:
+    """The file a tokenizer path names: itself, or a folder's first FOLDER_FILES; None: nothing there."""
+    if path.is_dir():
+        return next((path / name for name in FOLDER_FILES if (path / name).is_file()), None)
+    return path if path.is_file() else None
 
 
-class _TrainingLines:
-    """Non-blank corpus lines in file order, capped at `max_lines` (a deterministic cap).
-
-    sentencepiece turns an exception raised inside its sentence iterator into an opaque RuntimeError,
-    so the iterator keeps the original one for `train_tokenizer` to re-raise.
-    """
-
-    def __init__(self, text_files: list[Path], max_lines: int) -> None:
-        self._text_files = text_files
-        self._max_lines = max_lines
-        self.error: Exception | None = None
-        self.yielded = self.too_long = 0  # lines given to sentencepiece, and those it will skip as too long
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self._lines()
-        except Exception as exc:  # any failure reading the corpus: re-raised by train_tokenizer
-            self.error = exc
-
-    def _lines(self) -> Iterator[str]:
-        count = 0
-        for path in self._text_files:
-            for document in iter_documents(path):
-                for line in document.splitlines():
-                    if not line.strip():
-                        continue
-                    self.yielded += 1
-                    self.too_long += len(line.encode()) > _TRAINER_SETTINGS["max_sentence_length"]
-                    yield line
-                    count += 1
-                    if count >= self._max_lines:
-                        return
-
-
-def check_trainable_vocab_size(vocab_size: int) -> None:
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ConfigError(f"model.vocab_size={vocab_size} must be >= {MIN_VOCAB_SIZE} (the tokenizer trained on "
-                          f"data.source has 256 byte pieces and the special ones)")
-
-
-def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path) -> Path:
-    """Trains a byte-fallback BPE model on `text_files` and writes it atomically to `model_path`."""
-    check_trainable_vocab_size(vocab_size)
-    lines = _TrainingLines(text_files, MAX_TRAINING_LINES)
-    # In memory and without a model_prefix: the prefix would be recorded in the model, which must
-    # depend only on the corpus and the settings to be byte-identical across runs.
-    model = io.BytesIO()
+def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Tokenizer:
+    """The tokenizer in `path` (a file, or a folder holding one), whatever its format; `key` names where the
+    path came from in error lines."""
+    given = Path(path).expanduser()
+    file = tokenizer_file(given)
+    if file is None:
+        what = f"is a folder without {' or '.join(FOLDER_FILES)}" if given.is_dir() else \
+            "is not a file" if given.exists() else "does not exist"
+        raise ConfigError(f"{key}={path} {what}")
     try:
-        spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter(lines),
-            model_writer=model,
-            vocab_size=vocab_size,
-            num_threads=TRAINING_THREADS,
-            **_TRAINER_SETTINGS,
-        )
-    except RuntimeError as exc:
-        if lines.error is not None:
-            raise lines.error from None
-        if lines.yielded == lines.too_long:  # sentencepiece's "sentences_.empty()": no usable line
-            what = "no text (empty, or blank lines only)" if not lines.yielded else (
-                f"no line shorter than {_TRAINER_SETTINGS['max_sentence_length']} bytes (the tokenizer learns "
-                "from lines: split the text into lines)")
-            raise ConfigError(f"data.source holds {what}") from exc
-        # Keep sentencepiece's human reason, drop its "INTERNAL: file.cc(744) [check] " prefix.
-        reason = str(exc).strip().splitlines()[-1].split("] ", 1)[-1]
-        message = f"model.vocab_size={vocab_size} cannot be trained on data.source: {reason}"
-        raise ConfigError(message) from exc
-    if lines.error is not None:
-        raise lines.error
-    return _write_atomically(model.getvalue(), Path(model_path))
+        data = file.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}={file} cannot be read: {e.strerror or e}") from e
+    where = f"{key}={file}"
+    if data.lstrip()[:1] == b"{":
+        config = file.with_name(HF_CONFIG_FILE)
+        return HuggingFaceTokenizer(file, data, config.read_bytes() if config.is_file() else None, where)
+    ranks = parse_ranks(data)
+    if ranks is not None:
+        return TiktokenTokenizer(file, data, ranks, where)
+    try:
+        return SentencePieceTokenizer(file, data, where)
+    except ConfigError:
+        raise ConfigError(f"{where} is none of the formats this trainer reads ({FORMATS})") from None
 
 
-def _write_atomically(data: bytes, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target so os.replace is atomic; pid keeps concurrent writers apart.
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path
-
-
-def trainer_settings_fingerprint() -> str:
-    """A stable string of the training settings, for cache keys."""
-    return json.dumps({**_TRAINER_SETTINGS, "max_lines": MAX_TRAINING_LINES}, sort_keys=True)
-
-
-def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int) -> Tokenizer | None:
-    """The tokenizer `data.tokenizer` names (None: none given), checked for what packing and the model need."""
+def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int,
+                         key: str = "data.tokenizer") -> Tokenizer | None:
+    """The tokenizer of `tokenizer_path` (None: none given), checked for what packing and the model need."""
     if tokenizer_path is None:
         return None
-    path = Path(tokenizer_path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"data.tokenizer={tokenizer_path} {'is not a file' if path.exists() else 'does not exist'}")
-    tokenizer = Tokenizer(path)
+    tokenizer = load_tokenizer(tokenizer_path, key)
     if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
-        raise ConfigError(f"data.tokenizer={tokenizer_path} has no bos/eos pieces; packing needs both")
+        raise ConfigError(f"{key}={tokenizer.path} has no bos/eos tokens; packing needs both")
     if tokenizer.vocab_size != vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={vocab_size} does not match data.tokenizer={tokenizer_path} "
-            f"(vocab size {tokenizer.vocab_size})"
-        )
+        raise ConfigError(f"model.vocab_size={vocab_size} does not match {key}={tokenizer.path} "
+                          f"(vocab size {tokenizer.vocab_size})")
     return tokenizer
 
 
-def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resumed: Path | None) -> str | None:
+class TokenizerChoice(NamedTuple):
+    path: str | None  # None: a tokenizer is trained on the data
+    key: str  # what error lines call it
+    note: str | None = None  # a log line, where it is not simply data.tokenizer
+
+
+def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resumed: Path | None) -> TokenizerChoice:
     """The tokenizer a run uses: `data.tokenizer`; else, starting from a Hugging Face folder, the
-    folder's tokenizer.model (weights are only meaningful with the ids they were trained on), and
-    resuming (`resumed`: the checkpoint continued), the copy of it in that checkpoint, so a resume
-    does not need the folder any more; else None (a tokenizer is trained on the data). A folder
-    without one needs `data.tokenizer` named; a run that starts from a folder with one may not name
-    another (a resume keeps the tokenizer it trained with, which its fingerprint guards)."""
-    if init_from_hf is None:
-        return data_tokenizer
-    if data_tokenizer is None and resumed is not None and (resumed / TOKENIZER_FILE).is_file():
-        return str(resumed / TOKENIZER_FILE)
-    shipped = Path(init_from_hf).expanduser() / TOKENIZER_FILE
-    if data_tokenizer is None and not shipped.is_file():
-        raise ConfigError(f"checkpoint.init_from_hf={init_from_hf} has no {TOKENIZER_FILE}: set data.tokenizer to the "
-                          "sentencepiece model its weights were trained with (data.tokenizer=null would train a new "
-                          "one, with other ids)")
+    folder's (weights are only meaningful with the ids they were trained on); else none (a tokenizer is
+    trained on the data). Resuming (`resumed`: the checkpoint continued), the copy that checkpoint keeps
+    stands in for the folder's, and for a data.tokenizer file that is gone, so a resume needs neither
+    any more. A folder without a tokenizer needs `data.tokenizer` named; a run that starts from a folder
+    with one may not name another (a resume keeps the tokenizer it trained with, which its fingerprint
+    guards)."""
+    given = tokenizer_file(Path(data_tokenizer).expanduser()) if data_tokenizer is not None else None
+    kept = tokenizer_file(resumed) if resumed is not None else None
+    if kept is not None and data_tokenizer is not None and given is None:
+        return TokenizerChoice(str(kept), "the checkpoint's tokenizer",
+                               f"data: tokenizer {kept}, the copy in the resumed checkpoint (data.tokenizer="
+                               f"{data_tokenizer} is gone)")
+    if init_from_hf is None or data_tokenizer is not None and resumed is not None:
+        return TokenizerChoice(data_tokenizer, "data.tokenizer")
+    if data_tokenizer is None and kept is not None:
+        return TokenizerChoice(str(kept), "the checkpoint's tokenizer",
+                               f"data: tokenizer {kept}, the copy in the resumed checkpoint of checkpoint.init_from_hf's")
+    folder = Path(init_from_hf).expanduser()
+    shipped = tokenizer_file(folder) if folder.is_dir() else None
+    if data_tokenizer is None and shipped is None:
+        raise ConfigError(f"checkpoint.init_from_hf={init_from_hf} has no {' or '.join(FOLDER_FILES)}: set "
+                          "data.tokenizer to the tokenizer its weights were trained with (data.tokenizer=null would "
+                          "train a new one, with other ids)")
     if data_tokenizer is None:
-        return str(shipped)
-    given = Path(data_tokenizer).expanduser()
+        return TokenizerChoice(str(shipped), "checkpoint.init_from_hf's tokenizer",
+                               f"data: tokenizer {shipped} (that of checkpoint.init_from_hf; data.tokenizer is null)")
     # A missing data.tokenizer is left to the data preparation's own error line.
-    if resumed is None and shipped.is_file() and given.is_file() and given.read_bytes() != shipped.read_bytes():
-        raise ConfigError(f"data.tokenizer={data_tokenizer} is another sentencepiece model than {shipped}, whose ids "
-                          "the weights of checkpoint.init_from_hf were trained on: set data.tokenizer=null to use the "
+    if shipped is not None and given is not None and given.read_bytes() != shipped.read_bytes():
+        raise ConfigError(f"data.tokenizer={data_tokenizer} is another tokenizer than {shipped}, whose ids the "
+                          "weights of checkpoint.init_from_hf were trained on: set data.tokenizer=null to use the "
                           "folder's")
-    return data_tokenizer
+    return TokenizerChoice(data_tokenizer, "data.tokenizer")

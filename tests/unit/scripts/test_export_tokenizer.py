@@ -13,7 +13,7 @@ import transformers
 from model.args import ModelArgs
 from model.hf import hf_config
 from scripts.export_hf import NORMALIZATION_PROBES, tokenization_difference, write_tokenizer
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
 
 TEXT = "the pipeline shards the gradient\n" * 40 + "tokens per rank and per step\n" * 40
 _WORDS = "the pipeline shards gradient tokens per rank step reduce scatter gather unit optimizer checkpoint".split()
@@ -27,7 +27,7 @@ def test_custom_special_tokens_reach_transformers(tmp_path):
         input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "custom"), vocab_size=60, model_type="bpe",
         unk_id=0, pad_id=1, eos_id=2, bos_id=3, bos_piece="<bos>", minloglevel=2,
         normalization_rule_name="identity", remove_extra_whitespaces=False)  # as Llama 2's tokenizer
-    tokenizer = Tokenizer(tmp_path / "custom.model")
+    tokenizer = SentencePieceTokenizer(tmp_path / "custom.model")
     assert (tokenizer.bos_id, tokenizer.piece(tokenizer.bos_id)) == (3, "<bos>")
     out = tmp_path / "hf"
     out.mkdir()
@@ -55,7 +55,7 @@ def test_a_tokenizer_transformers_would_read_otherwise_is_not_exported(tmp_path)
     for name, options in cases:
         spm.SentencePieceTrainer.Train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / name),
                                        **({"model_type": "bpe", "minloglevel": 2} | options))
-        tokenizer = Tokenizer(tmp_path / f"{name}.model")
+        tokenizer = SentencePieceTokenizer(tmp_path / f"{name}.model")
         (tmp_path / name).mkdir()
         write_tokenizer(tokenizer, tmp_path / name)
         hf = transformers.AutoTokenizer.from_pretrained(tmp_path / name)

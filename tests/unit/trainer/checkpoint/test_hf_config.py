@@ -1,10 +1,12 @@
 """What checkpoint.init_from_hf reads from a Hugging Face folder's config.json: rope_theta under each
 spelling transformers reads, as the installed transformers computes it, or one error line; and the
-context it was trained for (max_position_embeddings), against seq_len."""
+context it was trained for (max_position_embeddings), against seq_len; its token ids, against the
+tokenizer's."""
 
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import transformers
@@ -12,7 +14,7 @@ import transformers
 from model.args import ModelArgs
 from model.hf import hf_config
 from parallel.errors import ConfigError
-from trainer.checkpoint.hf_import import check_architecture, context_note
+from trainer.checkpoint.hf_import import check_architecture, check_token_ids, context_note
 
 THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
 
@@ -73,3 +75,16 @@ def test_a_seq_len_other_than_the_folders_context_is_one_log_line(tmp_path: Path
     # Left out of config.json: transformers' default.
     default = transformers.LlamaConfig().max_position_embeddings
     assert f"max_position_embeddings={default}" in context_note({}, 2 * default, tmp_path)
+
+
+def test_token_ids_of_config_json_must_be_the_tokenizers(tmp_path: Path) -> None:
+    """A folder saying bos=998 would otherwise train with a tokenizer whose bos is 1, without a word."""
+    tokenizer = SimpleNamespace(bos_id=1, eos_id=2, path=tmp_path / "tokenizer.json")
+    check_token_ids({"bos_token_id": 1, "eos_token_id": 2}, tokenizer, tmp_path)
+    check_token_ids({"bos_token_id": 1, "eos_token_id": [7, 2]}, tokenizer, tmp_path)  # instruct: several eos
+    check_token_ids({}, tokenizer, tmp_path)  # not stated: nothing to compare
+    with pytest.raises(ConfigError, match=rf"^checkpoint.init_from_hf={tmp_path}: config.json's bos_token_id=998 is "
+                                          rf"not the id of the tokenizer's bos token \({tmp_path}/tokenizer.json: 1\)$"):
+        check_token_ids({"bos_token_id": 998, "eos_token_id": 2}, tokenizer, tmp_path)
+    with pytest.raises(ConfigError, match=r"config.json's eos_token_id=\[7, 8\] is not the id of the tokenizer's eos"):
+        check_token_ids({"bos_token_id": 1, "eos_token_id": [7, 8]}, tokenizer, tmp_path)

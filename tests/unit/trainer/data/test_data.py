@@ -20,7 +20,8 @@ from trainer.data.prepare import prepare_dataset
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.shards import TOKENS_FILE, PackedTokens, is_complete, write_packed_tokens
 from trainer.data.sources import default_corpus_files, iter_documents, list_source, sources_fingerprint
-from trainer.data.tokenizer import Tokenizer, train_tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
+from trainer.data.tokenizer_spm import train_tokenizer
 
 VOCAB = 320
 SHARED_CACHE = REPO / ".cache" / "data"
@@ -30,18 +31,18 @@ def _source_files(source: str) -> list[Path]:
     return list_source(source)[0]
 
 
-def _pack(files: list[Path], tokenizer: Tokenizer, out: Path, progress=lambda line: None) -> Path:
+def _pack(files: list[Path], tokenizer: SentencePieceTokenizer, out: Path, progress=lambda line: None) -> Path:
     return write_packed_tokens(files, tokenizer, out, progress=progress, sources=sources_fingerprint(files))
 
 
 @pytest.fixture(scope="module")
-def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+def tokenizer(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> SentencePieceTokenizer:
     model = tmp_path_factory.mktemp("tok") / "spm.model"
-    return Tokenizer(train_tokenizer(_source_files(str(corpus)), VOCAB, model))
+    return SentencePieceTokenizer(train_tokenizer(_source_files(str(corpus)), VOCAB, model))
 
 
 @pytest.fixture(scope="module")
-def packed(corpus: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> PackedTokens:
+def packed(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path_factory: pytest.TempPathFactory) -> PackedTokens:
     out = tmp_path_factory.mktemp("packed") / "tokens"
     _pack(_source_files(str(corpus)), tokenizer, out, lambda line: None)
     return PackedTokens(out)
@@ -50,7 +51,7 @@ def packed(corpus: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPath
 # --- tokenizer -------------------------------------------------------------------------------------
 
 
-def test_tokenizer_round_trips_any_text(tokenizer: Tokenizer) -> None:
+def test_tokenizer_round_trips_any_text(tokenizer: SentencePieceTokenizer) -> None:
     text = "héllo  wörld 🚀 日本語\n\tindented\r\n  ∑ ≠ \x00 end"
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
@@ -58,9 +59,9 @@ def test_tokenizer_round_trips_any_text(tokenizer: Tokenizer) -> None:
     assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (VOCAB, 1, 2)
 
 
-def test_tokenizer_training_is_deterministic(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_tokenizer_training_is_deterministic(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     again = train_tokenizer(_source_files(str(corpus)), VOCAB, tmp_path / "again.model")
-    assert again.read_bytes() == tokenizer.model_path.read_bytes()
+    assert again.read_bytes() == tokenizer.path.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.model"]  # no temp files left
 
 
@@ -68,14 +69,14 @@ def test_tokenizer_rejects_non_model(tmp_path: Path) -> None:
     bogus = tmp_path / "x.model"
     bogus.write_text("not a model")
     with pytest.raises(ConfigError, match=r"data\.tokenizer=.*not a sentencepiece model"):
-        Tokenizer(bogus)
+        SentencePieceTokenizer(bogus)
 
 
 # --- packed tokens ---------------------------------------------------------------------------------
 
 
 def test_packed_tokens_match_direct_encoding(
-    corpus: Path, tokenizer: Tokenizer, packed: PackedTokens
+    corpus: Path, tokenizer: SentencePieceTokenizer, packed: PackedTokens
 ) -> None:
     files = _source_files(str(corpus))
     assert [f.relative_to(corpus).as_posix() for f in files] == ["a.txt", "c.md", "d.jsonl", "sub/b.py"]
@@ -96,7 +97,7 @@ def test_packed_tokens_match_direct_encoding(
         assert window.tolist() == expected[index * seq_len : index * seq_len + seq_len + 1]
 
 
-def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     root = tmp_path / "corpus"
     root.mkdir()
     (root / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")  # CRLF and a lone CR, as written
@@ -112,7 +113,7 @@ def test_documents_keep_their_bytes_and_empty_ones_add_nothing(tokenizer: Tokeni
     assert tokenizer.decode(tokenizer.encode(documents[0])) == documents[0]
 
 
-def test_a_source_with_no_text_is_one_line(tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_a_source_with_no_text_is_one_line(tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     root = tmp_path / "corpus"
     root.mkdir()
     (root / "a.txt").write_bytes(b"")
@@ -136,7 +137,7 @@ def test_packed_tokens_too_short_names_seq_len(packed: PackedTokens) -> None:
         packed.num_sequences(packed.num_tokens)
 
 
-def test_failed_write_leaves_nothing(tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_failed_write_leaves_nothing(tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"no_text": 1}\n')
     with pytest.raises(ConfigError, match=r"data.source=.*bad.jsonl:2"):
@@ -203,7 +204,7 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
 
 
 def test_folder_sources_follow_linked_folders_skip_hidden_ones_and_check_each_file(
-    tokenizer: Tokenizer, tmp_path: Path
+    tokenizer: SentencePieceTokenizer, tmp_path: Path
 ) -> None:
     root, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
     for folder in (root / "own", root / ".git", elsewhere):
@@ -247,31 +248,32 @@ def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_pa
     build.same_data_on_every_rank(keys[0])
 
 
-def test_given_tokenizer_is_checked(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_given_tokenizer_is_checked(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"model.vocab_size=512 .*data.tokenizer=.*\(vocab size {VOCAB}\)"):
-        prepare_dataset(str(corpus), tokenizer.model_path, 512, tmp_path, True, print)
+        prepare_dataset(str(corpus), tokenizer.path, 512, tmp_path, True, print)
     with pytest.raises(ConfigError, match=r"data.tokenizer=/no/spm.model does not exist"):
         prepare_dataset(str(corpus), "/no/spm.model", VOCAB, tmp_path, True, print)
-    with pytest.raises(ConfigError, match=rf"^data.tokenizer={tmp_path} is not a file$"):
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer={tmp_path} is a folder without tokenizer.json or "
+                                          r"tokenizer.model or original/tokenizer.model$"):
         prepare_dataset(str(corpus), str(tmp_path), VOCAB, tmp_path, True, print)
-    tok, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
-    assert tok.model_path == tokenizer.model_path and tokens.meta["tokenizer_sha256"]
+    tok, tokens = prepare_dataset(str(corpus), tokenizer.path, VOCAB, tmp_path, True, lambda line: None)
+    assert tok.path == tokenizer.path and tokens.meta["tokenizer_sha256"]
     assert not list(tmp_path.glob("tokenizer-*"))  # a given tokenizer is not retrained
 
 
-def test_tokens_packed_with_another_tokenizer_are_refused(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_tokens_packed_with_another_tokenizer_are_refused(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     """E.g. the tokenizer folder was deleted and trained again by another sentencepiece version, while
     the tokens folder of the same key stayed: the tokens must not be read with the new tokenizer."""
-    _, tokens = prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
+    _, tokens = prepare_dataset(str(corpus), tokenizer.path, VOCAB, tmp_path, True, lambda line: None)
     meta = json.loads((tokens.path / "meta.json").read_text())
-    assert meta["tokenizer_sha256"] == tokenizer.sha256 == hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest()
+    assert meta["tokenizer_sha256"] == tokenizer.sha256 == hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
     (tokens.path / "meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "0" * 64}))
     with pytest.raises(ConfigError, match=rf"^data.cache_dir: {tokens.path} was packed with another tokenizer than "
-                                          rf"{tokenizer.model_path}; delete {tokens.path} to pack the data again$"):
-        prepare_dataset(str(corpus), tokenizer.model_path, VOCAB, tmp_path, True, lambda line: None)
+                                          rf"{tokenizer.path}; delete {tokens.path} to pack the data again$"):
+        prepare_dataset(str(corpus), tokenizer.path, VOCAB, tmp_path, True, lambda line: None)
 
 
-def test_a_source_written_to_while_it_is_packed_is_not_published(tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_a_source_written_to_while_it_is_packed_is_not_published(tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     source = tmp_path / "a.txt"
     source.write_text("alpha beta\n")
     keyed = sources_fingerprint([source])  # when the cache key was taken
@@ -299,15 +301,15 @@ def test_a_tokenizer_trained_on_a_source_written_to_meanwhile_is_not_kept(corpus
     assert not list((tmp_path / "cache").glob("tokenizer-*/*.model")) and not list((tmp_path / "cache").glob("tokens-*"))
 
 
-def test_the_tokenizer_is_read_once(tokenizer: Tokenizer, tmp_path: Path) -> None:
+def test_the_tokenizer_is_read_once(tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
     """What checkpoints and exports carry, and the fingerprint's sha, are the model in use, even when
     its file is replaced during the run."""
     path = tmp_path / "spm.model"
-    shutil.copyfile(tokenizer.model_path, path)
-    loaded = Tokenizer(path)
+    shutil.copyfile(tokenizer.path, path)
+    loaded = SentencePieceTokenizer(path)
     path.write_bytes(b"another model")
-    assert loaded.model_bytes == tokenizer.model_path.read_bytes()
-    assert loaded.sha256 == hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest()
+    assert loaded.model_bytes == tokenizer.path.read_bytes()
+    assert loaded.sha256 == hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
     assert loaded.encode("alpha beta") == tokenizer.encode("alpha beta")
 
 

@@ -20,7 +20,7 @@ from trainer.data.cache import CachePaths
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.prepare import prepare_dataset
 from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
 
 VOCAB = 320
 
@@ -95,13 +95,13 @@ def test_packing_uses_the_cores_this_process_may_use_and_the_tokenizer_does_not_
     """sentencepiece records its thread count in the model: trained on the cores at hand, the same
     corpus would give another tokenizer (sha256) on another machine."""
     encode_threads: set[int] = set()
-    encode_batch = Tokenizer.encode_batch
+    encode_batch = SentencePieceTokenizer.encode_batch
 
     def spy(self, texts, num_threads):
         encode_threads.add(num_threads)
         return encode_batch(self, texts, num_threads)
 
-    monkeypatch.setattr(Tokenizer, "encode_batch", spy)
+    monkeypatch.setattr(SentencePieceTokenizer, "encode_batch", spy)
     models = []
     for cores in (5, 1):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)

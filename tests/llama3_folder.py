@@ -1,0 +1,80 @@
+"""Llama-3-style tokenizer files, made here and never downloaded: a byte-level BPE learned from a small
+corpus with the `tokenizers` package, written as Meta's tiktoken ranks file, and converted from it to a
+tokenizer.json by transformers' own TikTokenConverter (how Llama 3's tokenizer.json was made), with
+Llama 3's special tokens and the post-processor that starts a text with <|begin_of_text|>."""
+
+import base64
+import json
+from pathlib import Path
+
+from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, LLAMA3_SPECIALS
+
+WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y", "the",
+         "token", "  ", "\n", "(", ")", ":", "=", "0", "12", "345"]
+
+
+def corpus_lines(count: int = 400) -> list[str]:
+    """Deterministic lines of code-like text with non-ASCII words."""
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(10)) for i in range(count)]
+
+
+def learned_ranks(vocab_size: int = 400) -> dict[bytes, int]:
+    """A byte-level BPE's tokens as tiktoken ranks: the 256 bytes first, then each merge in the order it
+    was learned (a token's rank is its merge priority, as in tiktoken)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus_lines(), trainer)
+    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    ranks = {bytes([b]): b for b in range(256)}
+    for token, _ in vocab:
+        raw = bytes(byte_of[c] for c in token)
+        if raw not in ranks:
+            ranks[raw] = len(ranks)
+    return ranks
+
+
+def write_tiktoken(ranks: dict[bytes, int], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
+    return path
+
+
+def write_hf_tokenizer(tiktoken_file: Path, folder: Path) -> Path:
+    """tokenizer.json and tokenizer_config.json in `folder`, converted from `tiktoken_file` by transformers."""
+    from tokenizers import processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tokenizer = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=LLAMA3_PATTERN,
+                                  extra_special_tokens=list(LLAMA3_SPECIALS)).converted()
+    bos, eos = LLAMA3_SPECIALS[:2]
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tokenizer.token_to_id(bos))])])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "model_max_length": 131072, "clean_up_tokenization_spaces": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder / "tokenizer.json"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character table, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars

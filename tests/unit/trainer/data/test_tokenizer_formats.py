@@ -1,0 +1,121 @@
+"""Every tokenizer format behind one interface gives the ids transformers' AutoTokenizer gives for the same
+files (special-token text kept as text, as training keeps it), is told apart by content, and names what
+is wrong with a file in one line."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parallel.errors import ConfigError
+from tests.llama3_folder import learned_ranks, write_hf_tokenizer, write_tiktoken
+from trainer.data.prepare import prepare_dataset
+from trainer.data.tokenizer import load_tokenizer, tokenizer_file
+from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
+from trainer.data.tokenizer_tiktoken import LLAMA3_SPECIALS, NUM_SPECIAL_TOKENS
+
+TEXT = ("def f(x):\n    return x  # naïve über 数据 🚀\r\n\t<|end_of_text|> <s></s> <|begin_of_text|>\n"
+        "  indented   spaces and 12345 digits")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """A Llama-3-style folder (tokenizer.json + original/tokenizer.model), a tiktoken-only folder and a
+    sentencepiece folder as the HF export writes it."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    ranks = learned_ranks()
+    llama = root / "llama3"
+    write_hf_tokenizer(write_tiktoken(ranks, llama / "original" / "tokenizer.model"), llama)
+    tiktoken_only = root / "tiktoken"
+    shutil.copytree(llama / "original", tiktoken_only)
+    spm = root / "spm"
+    corpus = root / "corpus.txt"
+    corpus.write_text(TEXT * 20 + "".join(f"line {i} with words\n" for i in range(300)))
+    model = train_tokenizer([corpus], 320, spm / "tokenizer.model")
+    from scripts.export_hf import write_tokenizer
+
+    write_tokenizer(SentencePieceTokenizer(model), spm)
+    return {"huggingface": llama, "tiktoken": tiktoken_only, "sentencepiece": spm}
+
+
+def auto_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), split_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["huggingface", "tiktoken", "sentencepiece"])
+def test_each_format_gives_transformers_ids(folders, kind):
+    ours = load_tokenizer(folders[kind])
+    assert ours.kind == kind
+    reference = folders["huggingface"] if kind == "tiktoken" else folders[kind]  # converted from the same file
+    theirs = auto_tokenizer(reference)
+    ids = ours.encode(TEXT)
+    assert ids == theirs.encode(TEXT, add_special_tokens=False)
+    assert ours.encode_batch([TEXT, "x"]) == [ids, ours.encode("x")]
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.vocab_size == len(theirs)
+    assert ours.decode(ids) == TEXT and ours.adds_bos
+
+
+def test_llama3_special_tokens_follow_the_ranks(folders):
+    tiktoken = load_tokenizer(folders["tiktoken"])
+    hf = load_tokenizer(folders["huggingface"])
+    ranks = tiktoken.vocab_size - NUM_SPECIAL_TOKENS
+    assert (tiktoken.bos_id, tiktoken.eos_id) == (hf.bos_id, hf.eos_id) == (ranks, ranks + 1)
+    assert tiktoken.decode([ranks + LLAMA3_SPECIALS.index("<|eot_id|>")]) == "<|eot_id|>"
+    assert "<|end_of_text|>" in TEXT and tiktoken.eos_id not in tiktoken.encode(TEXT)  # text stays text
+
+
+def test_the_format_is_read_from_the_content_not_the_name(folders, tmp_path):
+    """Llama 3's tiktoken file is named tokenizer.model, as sentencepiece models are; any name works."""
+    for kind, folder in folders.items():
+        renamed = tmp_path / f"{kind}.bin"
+        shutil.copyfile(tokenizer_file(folder), renamed)
+        if kind == "huggingface":
+            shutil.copyfile(folder / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+        assert load_tokenizer(renamed).kind == kind
+    assert tokenizer_file(folders["huggingface"]).name == "tokenizer.json"  # preferred over original/
+    assert tokenizer_file(folders["tiktoken"]).name == "tokenizer.model"
+
+
+def test_what_checkpoints_carry_loads_back_as_the_same_tokenizer(folders, tmp_path):
+    for kind, folder in folders.items():
+        tokenizer = load_tokenizer(folder)
+        copy = tmp_path / kind
+        copy.mkdir()
+        for name, data in tokenizer.files.items():
+            (copy / name).write_bytes(data)
+        again = load_tokenizer(copy)
+        assert (again.kind, again.sha256, again.encode(TEXT)) == (kind, tokenizer.sha256, tokenizer.encode(TEXT))
+
+
+def test_bad_tokenizer_files_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer={tmp_path}/nope does not exist$"):
+        load_tokenizer(tmp_path / "nope")
+    junk = tmp_path / "tokenizer.model"
+    junk.write_bytes(b"\x00\x01 not a tokenizer")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=.*/tokenizer.model is none of the formats this trainer "
+                                          r"reads \(a sentencepiece model, a Hugging Face tokenizer.json or a "
+                                          r"tiktoken BPE file\)$"):
+        load_tokenizer(tmp_path)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": 3}')
+    with pytest.raises(ConfigError, match=r"^checkpoint.init_from_hf's tokenizer=.*broken.json is not a Hugging "
+                                          r"Face tokenizer.json"):
+        load_tokenizer(broken, "checkpoint.init_from_hf's tokenizer")
+
+
+@pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])
+def test_packing_with_a_given_tokenizer_writes_bos_document_eos(folders, kind, tmp_path):
+    source = tmp_path / "doc.txt"
+    source.write_text(TEXT)
+    tokenizer = load_tokenizer(folders[kind])
+    tok, tokens = prepare_dataset(str(source), str(folders[kind]), tokenizer.vocab_size, tmp_path / "cache", True,
+                                  lambda line: None)
+    assert tok.sha256 == tokenizer.sha256 == tokens.meta["tokenizer_sha256"]
+    packed = tokens.sequence(0, tokens.num_tokens - 1).tolist()
+    assert packed == [tokenizer.bos_id, *tokenizer.encode(TEXT), tokenizer.eos_id]
+    with pytest.raises(ConfigError, match=rf"^model.vocab_size=7 does not match data.tokenizer=.* \(vocab size "
+                                          rf"{tokenizer.vocab_size}\)$"):
+        prepare_dataset(str(source), str(folders[kind]), 7, tmp_path / "cache", True, lambda line: None)

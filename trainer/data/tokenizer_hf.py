@@ -1,0 +1,92 @@
+"""Hugging Face tokenizers: a `tokenizer.json` (Llama 3's own format, and most models' on the Hub), read with
+the `tokenizers` package, beside the `tokenizer_config.json` that names its bos and eos tokens.
+
+Text that spells a special token ("<|end_of_text|>" inside a document about tokenizers) stays text, as
+it does for the other formats: only packing puts bos and eos ids around a document.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+from parallel.errors import ConfigError
+
+JSON_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+# Where tokenizer_config.json is silent: the names Llama 3 and Llama 2 / sentencepiece-derived files use.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>")
+
+
+class HuggingFaceTokenizer:
+    """A loaded tokenizer.json; its files are read once, so what checkpoints carry and `sha256` are of the
+    tokenizer in use."""
+
+    kind = "huggingface"
+
+    def __init__(self, path: Path, data: bytes, config: bytes | None, where: str) -> None:
+        """`path`: the tokenizer.json read; `data` its bytes; `config` those of the tokenizer_config.json
+        beside it (None: there is none); `where`: how error lines name it (the key and path)."""
+        from tokenizers import Tokenizer
+
+        self.path, self._where = Path(path), where
+        self._files = {JSON_FILE: data} | ({CONFIG_FILE: config} if config is not None else {})
+        try:
+            self._tok = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # the Rust side raises its own exception type for any malformed field
+            raise ConfigError(f"{where} is not a Hugging Face tokenizer.json ({str(e)[:120]})") from e
+        self._tok.encode_special_tokens = True
+        settings = _read_config(f"{where}: its {CONFIG_FILE}", config)
+        self.bos_id = self._special_id(settings.get("bos_token"), _BOS_NAMES, "bos")
+        self.eos_id = self._special_id(settings.get("eos_token"), _EOS_NAMES, "eos")
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        # Whether the tokenizer's own post-processor starts a text with bos (Llama 3's does).
+        self.adds_bos = self._tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+        self.sha256 = _files_sha256(self._files)
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        return dict(self._files)
+
+    def _special_id(self, given: str | dict | None, defaults: tuple[str, ...], what: str) -> int:
+        """The id of the tokenizer_config.json's bos or eos token (a string, or an object with "content");
+        else of the first default name the vocabulary holds."""
+        names = [given.get("content") if isinstance(given, dict) else given] if given is not None else list(defaults)
+        for name in names:
+            token_id = self._tok.token_to_id(name) if isinstance(name, str) else None
+            if token_id is not None:
+                return token_id
+        raise ConfigError(f"{self._where}: no {what} token ({' or '.join(map(str, names))}) in its "
+                          f"vocabulary; name it as {what}_token in {CONFIG_FILE}")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int = 2) -> list[list[int]]:
+        """Many texts in one call, in parallel (the package's own thread pool)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _read_config(where: str, config: bytes | None) -> dict:
+    if config is None:
+        return {}
+    try:
+        settings = json.loads(config)
+    except ValueError as e:
+        raise ConfigError(f"{where} is not JSON ({e})") from e
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{where} holds a JSON {type(settings).__name__}, not an object")
+    return settings
+
+
+def _files_sha256(files: dict[str, bytes]) -> str:
+    """One hash of several named files: each name and length before its bytes, so no two sets collide."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{len(files[name])}\0".encode())
+        digest.update(files[name])
+    return digest.hexdigest()
