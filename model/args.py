@@ -8,6 +8,19 @@ if TYPE_CHECKING:  # the config (and so every launcher's override check) reads t
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE scaling (transformers' rope_type "llama3"), with Llama 3.1's values as defaults:
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched by `factor`,
+    those shorter than original_max_position_embeddings / high_freq_factor kept, those between blended."""
+
+    type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     n_layers: int = 2
     dim: int = 64
@@ -18,6 +31,7 @@ class ModelArgs:
     multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     max_seq_len: int = 128
     efficient_attn: str = "sdpa"
     use_fp8: bool = False

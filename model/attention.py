@@ -1,8 +1,8 @@
 """Grouped-query causal self-attention with rotary position embeddings.
 
 RoPE uses the rotate-half layout (pairs i and i + head_dim/2), so checkpoints map one-to-one onto
-Hugging Face's Llama weights without permuting the q/k rows. Positions are explicit: under context
-parallelism they are each rank's global token positions.
+Hugging Face's Llama weights without permuting the q/k rows; `model.rope_scaling` gives Llama 3.1's
+frequencies. Positions are explicit: under context parallelism they are each rank's global token positions.
 
 `model.attn_bias_type=block_causal` keeps attention inside documents: a token attends to the earlier
 tokens of its own document only (packed sequences hold several). Without CP that is an explicit
@@ -11,13 +11,14 @@ under CP each pair of chunks builds its own piece from the document ids. Rotary 
 relative positions only, so a document sees the same attention wherever it sits.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.args import ModelArgs
+from model.args import ModelArgs, RopeScaling
 from model.fp8 import Fp8Gemm
 from parallel.context_parallel import CPContext, context_parallel_attention
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
@@ -26,17 +27,35 @@ from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TP
 class RotaryEmbedding(nn.Module):
     """No buffers: the frequencies are recomputed in fp32 so a dtype cast of the model cannot touch them."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The [head_dim / 2] fp32 rotation frequencies, with transformers' operations in its order."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        return inv_freq if self.scaling is None else llama3_scaled(inv_freq, self.scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [seq, head_dim], computed in fp32 then cast to the compute dtype."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).float()
-        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        inv_freq = self.inv_freq(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequencies, as transformers' `_compute_llama3_parameters` computes them: low
+    frequencies divided by `factor`, high ones kept, and a linear blend of both in between."""
+    context = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = context / scaling.low_freq_factor, context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ Our RoPE is rotate-half and our RMSNorm is HF's, so weights map by name alone: a
 Export (scripts/export_hf.py) and import (checkpoint.init_from_hf) both go through this mapping.
 """
 
+import dataclasses
+
 import torch
 
-from model.args import ModelArgs
+from model.args import ModelArgs, RopeScaling
 from model.transformer import Transformer
 
 _TOP_LEVEL = {
@@ -69,8 +71,9 @@ def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
 
 
 def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_positions: int | None = None) -> dict:
-    """LlamaConfig fields; rope_theta and torch_dtype are the spellings both transformers 4 and 5 read.
-    max_position_embeddings, the context inference servers allow, is the training seq_len unless given."""
+    """LlamaConfig fields; rope_theta, rope_scaling and torch_dtype are the spellings both transformers 4
+    and 5 read. max_position_embeddings, the context inference servers allow, is the training seq_len
+    unless given."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -83,4 +86,11 @@ def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_po
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "torch_dtype": dtype_name,
+        **({} if args.rope_scaling is None else {"rope_scaling": hf_rope_scaling(args.rope_scaling)}),
     }
+
+
+def hf_rope_scaling(scaling: RopeScaling) -> dict:
+    """model.rope_scaling as config.json's rope_scaling spells it."""
+    fields = dataclasses.asdict(scaling)
+    return {"rope_type": fields.pop("type"), **fields}

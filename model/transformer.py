@@ -93,7 +93,7 @@ class Transformer(nn.Module):
         self.tp, self.cp = tp or TPContext(), cp or CPContext()
         layers = range(args.n_layers) if layers is None else layers
         self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, self.tp) if embedding else None
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
         make_block = blocks or TransformerBlock
         self.layers = nn.ModuleDict({str(i): make_block(i, args, self.tp, self.cp) for i in layers})
         self.block_region = getattr(blocks, "region", nullcontext)

@@ -127,8 +127,8 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
         # The older spelling "type" asks for scaling too (transformers reads it): never trained unscaled.
         ("legacy_type", lambda c: c | {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
          "rope_parameters asks for 'linear' RoPE scaling"),
-        ("v4_scaling", lambda c: c | {"rope_scaling": {"type": "llama3", "factor": 8.0}},
-         "rope_scaling asks for 'llama3' RoPE scaling"),
+        ("v4_scaling", lambda c: c | {"rope_scaling": {"type": "dynamic", "factor": 8.0}},
+         "rope_scaling asks for 'dynamic' RoPE scaling"),
         # Fields left out mean what transformers' LlamaConfig takes for them, named as such.
         ("no_kv_heads", lambda c: {k: v for k, v in c.items() if k != "num_key_value_heads"},
          f"num_key_value_heads={args.n_heads} vs model.n_kv_heads={args.n_kv_heads}"),

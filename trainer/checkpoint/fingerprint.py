@@ -7,6 +7,7 @@ by name with `resume.allow_changed=[key,...]`. Layout keys (tp, pp, vpp, dp, cp,
 resharding, checkpointing) are not part of it: a checkpoint reloads under any layout.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from trainer.outputs import FINGERPRINT_FILE
 
 ARCHITECTURE = tuple(
     f"model.{k}" for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
-                           "multiple_of", "norm_eps", "rope_theta", "attn_bias_type")
+                           "multiple_of", "norm_eps", "rope_theta", "rope_scaling", "attn_bias_type")
 )
 SCHEDULE = tuple(
     f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay_style",
@@ -34,7 +35,7 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
 # defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (
-    *FP8, *KERNELS, "model.fp8_amax_history_len", "optim.decay_style", "optim.decay_start")} | {
+    *FP8, *KERNELS, "model.fp8_amax_history_len", "model.rope_scaling", "optim.decay_style", "optim.decay_start")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")
@@ -63,13 +64,18 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
     # With min_lr_ratio=1 the LR stays constant after warmup: there is no decay end for a resume to keep
     # (and optim.decay_steps is refused then), so extending such a run changes nothing it could compare.
     decay_end = {"optim.decay_steps": cfg.optim.decay_end(cfg.steps)} if cfg.optim.decays else {}
-    return {key: get_key(cfg, key) for key in _AS_CONFIGURED} | decay_end | {
+    return {key: _as_json(get_key(cfg, key)) for key in _AS_CONFIGURED} | decay_end | {
         "compute_dtype": compute_dtype,
         "global_batch_size": global_batch,
         # Under CP attention is CP's own, whatever model.efficient_attn says (a no-op there, see validate).
         "model.efficient_attn": cfg.model.efficient_attn if cfg.context_parallel_size == 1
         else get_key(TrainConfig(), "model.efficient_attn"),
     }
+
+
+def _as_json(value: Any) -> Any:
+    """A group (model.rope_scaling) as the JSON object fingerprint.json stores, so it compares equal read back."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def run_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int, tokenizer_sha256: str,

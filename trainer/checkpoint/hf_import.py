@@ -7,6 +7,7 @@ only the boxes of the full parameters its FSDP shards hold (parallel/fsdp/state_
 layout imports without a rank ever holding a whole model.
 """
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model.args import ModelArgs
+from model.args import ModelArgs, RopeScaling
 from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names, hf_shapes
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
@@ -58,6 +59,7 @@ _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": 
 _LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
 # Where RoPE settings may be: transformers 4 reads rope_scaling, 5 reads `rope_scaling or rope_parameters`.
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+_ROPE_KINDS = ("default", "llama3")  # llama3: model.rope_scaling
 
 
 def check_hf_folder(folder: Path, args: ModelArgs) -> None:
@@ -104,9 +106,9 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
                               f"only {' or '.join(map(repr, implied))}")
     for field in _ROPE_FIELDS:
         kind = _rope_kind(config.get(field) or {})
-        if kind != "default":
+        if kind not in _ROPE_KINDS:
             raise ConfigError(f"{KEY}={folder}: config.json's {field} asks for {kind!r} RoPE scaling; this model "
-                              "supports only the default RoPE")
+                              "supports only the default RoPE or 'llama3' (model.rope_scaling)")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     sizes_given = all(type(n) is int and n > 0 for n in (hidden, heads))  # else named below as they differ
     config = {"head_dim": hidden // heads if sizes_given else None, "num_key_value_heads": heads,
@@ -114,6 +116,7 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
         "rope_theta": _rope_theta(config, folder)}
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
               for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
+    differ += _rope_scaling_differences(config, args.rope_scaling)
     if differ:
         raise ConfigError(f"{KEY}={folder}: its config.json does not describe the configured model: "
                           f"{'; '.join(differ)}")
@@ -140,6 +143,36 @@ def _rope_theta(config: dict, folder: Path) -> object:
 
 def _first_given(*values: object) -> object:
     return next(v for v in values if v is not None)
+
+
+def _rope_scaling_differences(config: dict, scaling: RopeScaling | None) -> list[str]:
+    """Each RoPE object of config.json (none given: no scaling) against model.rope_scaling: its kind, then,
+    both being llama3, each of its fields."""
+    ropes = {field: config[field] for field in _ROPE_FIELDS if config.get(field)} or {_ROPE_FIELDS[0]: {}}
+    ours = "model.rope_scaling=None" if scaling is None else f"model.rope_scaling.type={scaling.type!r}"
+    differ = []
+    for field, rope in ropes.items():
+        if (_rope_kind(rope) == "llama3") != (scaling is not None):
+            differ.append(f"{_rope_setting(field, rope)} vs {ours}")
+        elif scaling is not None:
+            differ += [f"{field}.{name}={value!r} vs model.rope_scaling.{name}={getattr(scaling, name)!r}"
+                       for name, value in _llama3_fields(rope, config).items() if value != getattr(scaling, name)]
+    return differ
+
+
+def _llama3_fields(rope: dict, config: dict) -> dict[str, object]:
+    """A llama3 RoPE object's fields as transformers 5 reads them: original_max_position_embeddings from the
+    top level when given there, else from the object, else config.json's max_position_embeddings."""
+    values = {f.name: rope.get(f.name) for f in dataclasses.fields(RopeScaling) if f.name != "type"}
+    context = "original_max_position_embeddings"
+    values[context] = _first_given(config.get(context), values[context], config["max_position_embeddings"])
+    return values
+
+
+def _rope_setting(field: str, rope: dict) -> str:
+    """A RoPE object's kind as config.json spells it, for messages."""
+    spelling = next((key for key in ("rope_type", "type") if rope.get(key)), None)
+    return f"{field}.{spelling}={rope[spelling]!r}" if spelling else f"{field}={rope or None!r}"
 
 
 def _rope_kind(scaling: dict) -> str:
@@ -222,20 +255,22 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callabl
     log(f"initialized the weights from {folder}" + (
         " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
         "separately from here; an export writes both, untied)" if head_from_embedding else ""))
-    note = context_note(config, args.max_seq_len, folder)
+    note = context_note(config, args, folder)
     if note:
         log(note)
 
 
-def context_note(config: dict, seq_len: int, folder: Path) -> str | None:
+def context_note(config: dict, args: ModelArgs, folder: Path) -> str | None:
     """A line where seq_len is not the context the folder was trained for (its max_position_embeddings):
-    past it, positions are trained that pretraining never saw, without RoPE scaling; short of it, an
-    export declares only seq_len unless told the folder's context."""
+    past it, positions are trained that pretraining never saw (without RoPE scaling unless model.rope_scaling
+    is set); short of it, an export declares only seq_len unless told the folder's context."""
+    seq_len = args.max_seq_len
     context = config.get("max_position_embeddings", _LLAMA_DEFAULTS["max_position_embeddings"])
     if type(context) is not int or context == seq_len:
         return None
     if seq_len > context:
+        unscaled = ", without RoPE scaling" if args.rope_scaling is None else ""
         return (f"{KEY}={folder}: seq_len={seq_len} is beyond its max_position_embeddings={context}: training "
-                "positions its pretraining never saw, without RoPE scaling")
+                f"positions its pretraining never saw{unscaled}")
     return (f"{KEY}={folder}: seq_len={seq_len} is within its max_position_embeddings={context}; an export "
             f"declares {seq_len} unless given --max-position-embeddings {context}")

@@ -66,6 +66,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """Check every static rule; returns the parallel layout of `world_size` ranks."""
     _check_ranges(cfg)
     _check_enums(cfg)
+    _check_rope_scaling(cfg)
     _check_resume_keys(cfg)
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
@@ -163,6 +164,26 @@ def _check_enums(cfg: TrainConfig) -> None:
         if value not in allowed:
             choices = " | ".join("null" if a is None else str(a) for a in allowed)
             raise ConfigError(f"{key}={value} is not one of: {choices}")
+
+
+def _check_rope_scaling(cfg: TrainConfig) -> None:
+    """model.rope_scaling: Llama 3.1's scaling only, with values its formula can use."""
+    scaling = cfg.model.rope_scaling
+    if scaling is None:
+        return
+    if scaling.type != "llama3":
+        raise ConfigError(f"model.rope_scaling.type={scaling.type} is not supported: only llama3 (Llama 3.1's RoPE "
+                          "scaling) is")
+    low = scaling.low_freq_factor
+    bounds = {
+        "factor": (scaling.factor >= 1, ">= 1"),
+        "low_freq_factor": (low > 0, "> 0"),
+        "high_freq_factor": (scaling.high_freq_factor > low, f"> model.rope_scaling.low_freq_factor={low}"),
+        "original_max_position_embeddings": (scaling.original_max_position_embeddings > 0, "> 0"),
+    }
+    for name, (holds, bound) in bounds.items():
+        if not holds:
+            raise ConfigError(f"model.rope_scaling.{name}={getattr(scaling, name)} must be {bound}")
 
 
 def _check_resume_keys(cfg: TrainConfig) -> None:

@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields
+from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from model.args import ModelArgs
@@ -180,22 +181,39 @@ def from_dict(raw: dict[str, Any]) -> TrainConfig:
 
 
 def unknown_key(key: str) -> str:
-    """The error for a key TrainConfig does not have, with the nearest known one (a typo, mostly)."""
-    close = difflib.get_close_matches(key, _known_keys(TrainConfig, ""), n=1)
+    """The error for a key TrainConfig does not have, with the nearest known one (a typo, mostly). A known key
+    of a group that may be null is one hydra could not set (the group is null, or was given without it)."""
+    group = key.rpartition(".")[0]
+    if key in _known_keys(TrainConfig, "", group_fields=True) and group in _known_keys(TrainConfig, ""):
+        return (f"{key} cannot be set where {group} is null or lacks it: give the whole group, "
+                f"{group}={{key:value,...}}, or add the key with +{key}=value")
+    close = difflib.get_close_matches(key, _known_keys(TrainConfig, "", group_fields=True), n=1)
     return f"{key} is not a known config key" + (f" (did you mean {close[0]}?)" if close else "")
 
 
-def _known_keys(cls: type, prefix: str) -> list[str]:
+def _known_keys(cls: type, prefix: str, group_fields: bool = False) -> list[str]:
+    """Every key, dotted. A group that may be null is one key (its value null or the group), followed by
+    its own keys with `group_fields`."""
     hints = get_type_hints(cls)
     keys = []
     for f in fields(cls):
-        if f"{prefix}{f.name}" in DERIVED:
+        key, group = f"{prefix}{f.name}", _optional_group(hints[f.name])
+        if key in DERIVED:
             continue
         if dataclasses.is_dataclass(hints[f.name]):
-            keys += _known_keys(hints[f.name], f"{prefix}{f.name}.")
+            keys += _known_keys(hints[f.name], f"{key}.", group_fields)
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys += [key, *(_known_keys(group, f"{key}.") if group and group_fields else ())]
     return keys
+
+
+def _optional_group(hint: Any) -> type | None:
+    """X where the hint is `X | None` for a dataclass X (a group that may be null), else None."""
+    if get_origin(hint) not in (Union, UnionType):
+        return None
+    members = [arg for arg in get_args(hint) if arg is not type(None)]
+    nullable_one = len(members) == 1 and len(get_args(hint)) == 2
+    return members[0] if nullable_one and dataclasses.is_dataclass(members[0]) else None
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
@@ -207,11 +225,14 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             raise ConfigError(unknown_key(f"{prefix}{key}"))
     values = {}
     for name in known & raw.keys():
-        hint, value = hints[name], raw[name]
-        if dataclasses.is_dataclass(hint):
+        hint, value, group = hints[name], raw[name], _optional_group(hints[name])
+        if group is not None and value is None:
+            values[name] = None
+        elif dataclasses.is_dataclass(hint) or group is not None:
             if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{name} must be a group of keys, got {value!r}")
-            values[name] = _build(hint, value, f"{prefix}{name}.")
+                null = " or null" if group else ""
+                raise ConfigError(f"{prefix}{name} must be a group of keys{null}, got {value!r}")
+            values[name] = _build(group or hint, value, f"{prefix}{name}.")
         else:
             values[name] = _coerce(f"{prefix}{name}", hint, value)
     return cls(**values)
@@ -222,7 +243,7 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
         return [_coerce(f"{key}[{i}]", get_args(hint)[0], item) for i, item in enumerate(value)]
-    allowed = get_args(hint) if get_origin(hint) in (Union, type(int | None)) else (hint,)
+    allowed = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
     if value is None:
         if type(None) in allowed:
             return None

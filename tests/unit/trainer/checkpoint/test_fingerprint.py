@@ -178,3 +178,17 @@ def test_a_kernel_key_a_layout_ignores_is_not_part_of_the_run():
 
     assert cp_run(efficient_attn="math") == cp_run()
     assert _fingerprint(efficient_attn="math") != _fingerprint()
+
+
+def test_rope_scaling_is_architecture_stored_as_json_and_null_in_older_checkpoints(tmp_path):
+    scaled = _fingerprint(rope_scaling={"factor": 32.0})
+    assert scaled["model.rope_scaling"] == {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    check_resumable(_saved(tmp_path, scaled), scaled, allowed=[])  # equal once read back from JSON
+    with pytest.raises(ConfigError, match=r"model.rope_scaling \{.*'factor': 32.0.*\} -> \{.*'factor': 8.0") as err:
+        check_resumable(_saved(tmp_path, scaled), _fingerprint(rope_scaling={}), allowed=[])
+    assert "allow_changed" not in str(err.value)  # the architecture: never allowable
+    older = _saved(tmp_path, _fingerprint(), drop=("model.rope_scaling",))
+    check_resumable(older, _fingerprint(), allowed=[])
+    with pytest.raises(ConfigError, match=r"model.rope_scaling None -> \{'type': 'llama3'"):
+        check_resumable(older, scaled, allowed=[])

@@ -1,5 +1,7 @@
 """Config parsing and the static rules: every key of the contract exists, bad values are one line."""
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -8,10 +10,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from model.args import RopeScaling
 from parallel.errors import ConfigError
 from tests import REPO
 from trainer.config.rules import layout_noops, validate
-from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key
+from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
 
 CONF = REPO / "conf"
 CONTRACT_KEYS = (
@@ -134,6 +137,14 @@ def test_llama3_8b_dimensions():
         (["optim.decay_style=square"], 1, "optim.decay_style=square is not one of: cosine | linear"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
         (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
+        (["model.rope_scaling={type:yarn}"], 1,
+         "model.rope_scaling.type=yarn is not supported: only llama3 (Llama 3.1's RoPE scaling) is"),
+        (["model.rope_scaling={factor:0.5}"], 1, "model.rope_scaling.factor=0.5 must be >= 1"),
+        (["model.rope_scaling={low_freq_factor:0}"], 1, "model.rope_scaling.low_freq_factor=0.0 must be > 0"),
+        (["model.rope_scaling={low_freq_factor:4}"], 1,
+         "model.rope_scaling.high_freq_factor=4.0 must be > model.rope_scaling.low_freq_factor=4.0"),
+        (["model.rope_scaling={original_max_position_embeddings:0}"], 1,
+         "model.rope_scaling.original_max_position_embeddings=0 must be > 0"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
@@ -202,6 +213,34 @@ def test_wrong_types_and_unknown_keys():
         from_dict({"optim": {"lrr": 1}})
     with pytest.raises(ConfigError, match=r"^qqqq is not a known config key$"):
         from_dict({"qqqq": 1})
+
+
+def test_rope_scaling_is_null_or_a_group_of_llama_3_1_defaults():
+    assert load().model.rope_scaling is None
+    scaling = load("model.rope_scaling={factor:32.0}").model.rope_scaling
+    assert scaling == RopeScaling(factor=32.0) and RopeScaling() == RopeScaling(
+        "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    validate(load("model.rope_scaling={}"), world_size=1)
+    for value, message in (
+        (3, r"^model.rope_scaling must be a group of keys or null, got 3$"),
+        ({"factr": 2}, r"^model.rope_scaling.factr is not a known config key \(did you mean "
+                       r"model.rope_scaling.factor\?\)$"),
+        ({"factor": "x"}, r"^model.rope_scaling.factor='x' must be float$"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            from_dict({"model": {"rope_scaling": value}})
+    # Hydra cannot set a key of a group that is null: the command line is told how to.
+    assert unknown_key("model.rope_scaling.factor") == (
+        "model.rope_scaling.factor cannot be set where model.rope_scaling is null or lacks it: give the whole "
+        "group, model.rope_scaling={key:value,...}, or add the key with +model.rope_scaling.factor=value")
+    assert unknown_key("model.rope_scalng").endswith("(did you mean model.rope_scaling?)")
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.rope_scaling={factor:32.0,original_max_position_embeddings:4096}"]])
+def test_train_config_json_reads_back_as_the_same_config(overrides):
+    """train_config.json is dataclasses.asdict of the config; export_hf reads it back through from_dict."""
+    cfg = load("seq_len=64", *overrides)
+    assert from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
 
 
 def test_dump_dir_expands_home_as_the_shell_would():
