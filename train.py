@@ -20,6 +20,7 @@ from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger
+from trainer.config.hf_model import fill_hf_model
 from trainer.config.schema import from_dict
 from trainer.run import run
 from trainer.config.rules import validate
@@ -104,7 +105,7 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
         values = resolved(raw)
         refuse_a_launcher_without_a_sweep()
         sweep_job_dump_dir(values, launch)
-        cfg = from_dict(values)
+        cfg = from_dict(fill_hf_model(values))
         run(cfg, launch, validate(cfg, launch.world_size))
     except (ConfigError, FloatingPointError) as e:
         # Ranks see the same bad input (or the same reduced gradient norm).

@@ -29,6 +29,7 @@ class ModelArgs:
     vocab_size: int = 512
     ffn_dim_multiplier: float | None = None
     multiple_of: int = 32
+    intermediate_size: int | None = None  # the SwiGLU hidden size as given (a Hugging Face config.json's)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -47,7 +48,10 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`."""
+        """intermediate_size when given; else Llama's SwiGLU sizing: 2/3 of 4*dim, scaled, rounded up to a
+        multiple of `multiple_of`."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

@@ -33,7 +33,7 @@ from model.hf import hf_config, to_hf  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
-from trainer.checkpoint.hf_import import INDEX  # noqa: E402
+from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
 from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
 from trainer.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402

@@ -18,7 +18,7 @@ from model.transformer import Transformer
 from parallel.errors import ConfigError
 from tests.e2e.launch import DATA_CACHE, REPO, train
 from trainer.checkpoint.files import MANIFEST
-from trainer.checkpoint.hf_import import check_hf_folder, tensor_files
+from trainer.checkpoint.hf_folder import check_hf_folder, tensor_files
 from trainer.checkpoint.state import load_full_weights
 from trainer.config.rules import validate
 from trainer.config.schema import TrainConfig, from_dict
@@ -58,7 +58,7 @@ def test_import_on_tp2_dp2_gives_transformers_logits_and_exports_back_bitwise(tm
     assert (hf_dir / "model.safetensors.index.json").is_file()
     # A sentencepiece model of the vocabulary, as an exported folder ships (the default data's).
     shipped, _ = prepare_dataset(None, None, 512, DATA_CACHE, True, print)
-    shutil.copyfile(shipped.model_path, hf_dir / "tokenizer.model")
+    shutil.copyfile(shipped.path, hf_dir / "tokenizer.model")
     dump = tmp_path / "run"
     started = train(4, dump, *FROZEN, "model_parallel_size=2", "model.sequence_parallel=true", "batch_size=2",
                     f"checkpoint.init_from_hf={hf_dir}")

@@ -18,7 +18,7 @@ from trainer.outputs import FINGERPRINT_FILE
 
 ARCHITECTURE = tuple(
     f"model.{k}" for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
-                           "multiple_of", "norm_eps", "rope_theta", "rope_scaling", "attn_bias_type")
+                           "multiple_of", "intermediate_size", "norm_eps", "rope_theta", "rope_scaling", "attn_bias_type")
 )
 SCHEDULE = tuple(
     f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay_style",
@@ -35,7 +35,8 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
 # defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (
-    *FP8, *KERNELS, "model.fp8_amax_history_len", "model.rope_scaling", "optim.decay_style", "optim.decay_start")} | {
+    *FP8, *KERNELS, "model.fp8_amax_history_len", "model.rope_scaling", "model.intermediate_size", "optim.decay_style",
+    "optim.decay_start")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")

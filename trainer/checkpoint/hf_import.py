@@ -1,202 +1,25 @@
-"""Start training from a Hugging Face Llama folder (`checkpoint.init_from_hf=PATH`).
+"""Start training from a Hugging Face Llama folder (`checkpoint.init_from_hf=PATH`): its weights.
 
 The folder holds config.json and safetensors (one `model.safetensors`, or shards listed in
-`model.safetensors.index.json`, as published Llama-3 models ship). Its config must describe the
-configured model (each differing field is named). Each rank reads, through safetensors' lazy slices,
-only the boxes of the full parameters its FSDP shards hold (parallel/fsdp/state_dict.py), so any
-layout imports without a rank ever holding a whole model.
+`model.safetensors.index.json`, as published Llama-3 models ship); hf_folder.py has checked that it
+describes the configured model. Each rank reads, through safetensors' lazy slices, only the boxes of
+the full parameters its FSDP shards hold (parallel/fsdp/state_dict.py), so any layout imports without
+a rank ever holding a whole model.
 """
 
-import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from model.args import ModelArgs, RopeScaling
-from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_names, hf_shapes
+from model.args import ModelArgs
+from model.hf import TIED_HEAD, hf_names
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
 from parallel.fsdp.unit import FSDPUnit
-from trainer.data.tokenizer import Tokenizer
-
-KEY = "checkpoint.init_from_hf"
-INDEX = "model.safetensors.index.json"
-
-
-def read_hf_config(folder: Path) -> dict:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{KEY}={folder}: no readable config.json ({e.__class__.__name__}: {e})")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{KEY}={folder}: config.json holds a JSON {type(config).__name__}, not an object")
-    for field in _ROPE_FIELDS:
-        if not isinstance(config.get(field) or {}, dict):
-            raise ConfigError(f"{KEY}={folder}: config.json's {field}={config[field]!r} is not an object")
-    return config
-
-
-def _open_safetensors(folder: Path, path: Path):
-    """safe_open, with a missing or damaged file as one error line naming it."""
-    try:
-        return safe_open(path, framework="pt")
-    except (OSError, SafetensorError) as e:
-        raise ConfigError(f"{KEY}={folder}: {path.name} is not a readable safetensors file ({e})") from e
-
-
-# config.json fields our model has no equivalent for, and the values it implies (transformers maps
-# "swish" to the same function as "silu"; the model has no dropout, so any other rate would be dropped).
-_UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu", "swish"),
-                "attention_dropout": (0.0,)}
-
-
-# What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
-# key/value heads defaults to the number of heads).
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
-# Where RoPE settings may be: transformers 4 reads rope_scaling, 5 reads `rope_scaling or rope_parameters`.
-_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
-_ROPE_KINDS = ("default", "llama3")  # llama3: model.rope_scaling
-
-
-def check_hf_folder(folder: Path, args: ModelArgs) -> None:
-    """Before any process group: the folder imports into the configured model, or one error line."""
-    config = read_hf_config(folder)
-    check_architecture(config, args, folder)
-    check_tensor_shapes(folder, args, tied=bool(config.get("tie_word_embeddings", False)))
-
-
-def check_token_ids(config: dict, tokenizer: Tokenizer, folder: Path) -> None:
-    """config.json's bos and eos ids are the tokenizer's: weights trained with other ids would take every
-    document boundary packing writes for another token. A list of eos ids (instruct models) must hold it."""
-    for field, ours in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)):
-        theirs = config.get(field)
-        if theirs is not None and ours not in (theirs if isinstance(theirs, list) else [theirs]):
-            raise ConfigError(f"{KEY}={folder}: config.json's {field}={theirs!r} is not the id of the tokenizer's "
-                              f"{field.split('_')[0]} token ({tokenizer.path}: {ours})")
-
-
-def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:
-    """Every tensor the model needs is in the folder with its shape (safetensors headers only): a
-    larger tensor would otherwise be cut to the configured size without a word."""
-    files = tensor_files(folder)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(set(files.values())):
-        with _open_safetensors(folder, path) as f:
-            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path}
-    for name, expected in hf_shapes(args).items():
-        stored = TIED_HEAD[1] if tied and name == TIED_HEAD[0] and name not in shapes else name
-        if stored not in shapes:
-            raise ConfigError(f"{KEY}={folder}: tensor {stored} is missing")
-        if shapes[stored] != expected:
-            raise ConfigError(f"{KEY}={folder}: tensor {stored} has shape {list(shapes[stored])}, the configured "
-                              f"model needs {list(expected)}")
-
-
-def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
-    """One line naming every config.json field that differs from the configured model."""
-    if config.get("model_type") not in (None, "llama"):
-        raise ConfigError(f"{KEY}={folder}: model_type is {config['model_type']!r}, only 'llama' imports")
-    for field, implied in _UNSUPPORTED.items():
-        if config.get(field, implied[0]) not in implied:
-            raise ConfigError(f"{KEY}={folder}: config.json has {field}={config[field]!r}; this model supports "
-                              f"only {' or '.join(map(repr, implied))}")
-    for field in _ROPE_FIELDS:
-        kind = _rope_kind(config.get(field) or {})
-        if kind not in _ROPE_KINDS:
-            raise ConfigError(f"{KEY}={folder}: config.json's {field} asks for {kind!r} RoPE scaling; this model "
-                              "supports only the default RoPE or 'llama3' (model.rope_scaling)")
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    sizes_given = all(type(n) is int and n > 0 for n in (hidden, heads))  # else named below as they differ
-    config = {"head_dim": hidden // heads if sizes_given else None, "num_key_value_heads": heads,
-              **_LLAMA_DEFAULTS} | {k: v for k, v in config.items() if v is not None} | {
-        "rope_theta": _rope_theta(config, folder)}
-    differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
-              for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
-    differ += _rope_scaling_differences(config, args.rope_scaling)
-    if differ:
-        raise ConfigError(f"{KEY}={folder}: its config.json does not describe the configured model: "
-                          f"{'; '.join(differ)}")
-
-
-def _rope_theta(config: dict, folder: Path) -> object:
-    """config.json's rope_theta as transformers 5 resolves it: that of its RoPE object (rope_scaling, else
-    rope_parameters), else the top level's (all transformers 4 reads), else 1e4. Spellings that disagree
-    are refused: one version or the other would compute other logits than the import trains."""
-    top = config.get("rope_theta")
-    nested = {field: config[field] for field in _ROPE_FIELDS if config.get(field)}
-    for field, rope in nested.items():
-        if None not in (rope.get("rope_theta"), top) and rope["rope_theta"] != top:
-            raise ConfigError(f"{KEY}={folder}: config.json has rope_theta={top!r} and {field}.rope_theta="
-                              f"{rope['rope_theta']!r} (transformers 4 reads the first, 5 the second): make them agree")
-    default = _LLAMA_DEFAULTS["rope_theta"]
-    thetas = {field: _first_given(rope.get("rope_theta"), top, default) for field, rope in nested.items()}
-    if len(thetas) == 2 and thetas["rope_scaling"] != thetas["rope_parameters"]:  # 5 never reads the second
-        raise ConfigError(f"{KEY}={folder}: config.json's rope_scaling gives rope_theta={thetas['rope_scaling']!r}, "
-                          f"its rope_parameters {thetas['rope_parameters']!r} (transformers 5 reads only "
-                          "rope_scaling): make them agree or drop one")
-    return next(iter(thetas.values()), _first_given(top, default))
-
-
-def _first_given(*values: object) -> object:
-    return next(v for v in values if v is not None)
-
-
-def _rope_scaling_differences(config: dict, scaling: RopeScaling | None) -> list[str]:
-    """Each RoPE object of config.json (none given: no scaling) against model.rope_scaling: its kind, then,
-    both being llama3, each of its fields."""
-    ropes = {field: config[field] for field in _ROPE_FIELDS if config.get(field)} or {_ROPE_FIELDS[0]: {}}
-    ours = "model.rope_scaling=None" if scaling is None else f"model.rope_scaling.type={scaling.type!r}"
-    differ = []
-    for field, rope in ropes.items():
-        if (_rope_kind(rope) == "llama3") != (scaling is not None):
-            differ.append(f"{_rope_setting(field, rope)} vs {ours}")
-        elif scaling is not None:
-            differ += [f"{field}.{name}={value!r} vs model.rope_scaling.{name}={getattr(scaling, name)!r}"
-                       for name, value in _llama3_fields(rope, config).items() if value != getattr(scaling, name)]
-    return differ
-
-
-def _llama3_fields(rope: dict, config: dict) -> dict[str, object]:
-    """A llama3 RoPE object's fields as transformers 5 reads them: original_max_position_embeddings from the
-    top level when given there, else from the object, else config.json's max_position_embeddings."""
-    values = {f.name: rope.get(f.name) for f in dataclasses.fields(RopeScaling) if f.name != "type"}
-    context = "original_max_position_embeddings"
-    values[context] = _first_given(config.get(context), values[context], config["max_position_embeddings"])
-    return values
-
-
-def _rope_setting(field: str, rope: dict) -> str:
-    """A RoPE object's kind as config.json spells it, for messages."""
-    spelling = next((key for key in ("rope_type", "type") if rope.get(key)), None)
-    return f"{field}.{spelling}={rope[spelling]!r}" if spelling else f"{field}={rope or None!r}"
-
-
-def _rope_kind(scaling: dict) -> str:
-    """The RoPE variant a rope_scaling / rope_parameters object asks for, under either of the names
-    transformers reads ("rope_type", or the older "type")."""
-    return scaling.get("rope_type") or scaling.get("type") or "default"
-
-
-def tensor_files(folder: Path) -> dict[str, Path]:
-    """{HF tensor name: the safetensors file that holds it}. As transformers does, a single
-    model.safetensors wins over an index of shards."""
-    single = folder / "model.safetensors"
-    if single.is_file():
-        with _open_safetensors(folder, single) as f:
-            return {name: single for name in f.keys()}
-    if not (folder / INDEX).is_file():
-        raise ConfigError(f"{KEY}={folder}: neither model.safetensors nor {INDEX} is there")
-    try:
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-    except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
-        raise ConfigError(f"{KEY}={folder}: unreadable {INDEX} ({e!r})")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ConfigError(f"{KEY}={folder}: {INDEX}'s weight_map is not an object of tensor name: file name")
-    return {name: folder / file for name, file in weight_map.items()}
+from trainer.checkpoint.hf_folder import (KEY, check_architecture, context_note, open_safetensors, read_hf_config,
+                                          tensor_files)
 
 
 class _Reader:
@@ -213,7 +36,7 @@ class _Reader:
             raise ConfigError(f"{KEY}={self.folder}: tensor {name} is missing")
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = _open_safetensors(self.folder, path)
+            self._open[path] = open_safetensors(self.folder, path)
         return self._open[path].get_slice(name)[index]
 
 
@@ -258,19 +81,3 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callabl
     note = context_note(config, args, folder)
     if note:
         log(note)
-
-
-def context_note(config: dict, args: ModelArgs, folder: Path) -> str | None:
-    """A line where seq_len is not the context the folder was trained for (its max_position_embeddings):
-    past it, positions are trained that pretraining never saw (without RoPE scaling unless model.rope_scaling
-    is set); short of it, an export declares only seq_len unless told the folder's context."""
-    seq_len = args.max_seq_len
-    context = config.get("max_position_embeddings", _LLAMA_DEFAULTS["max_position_embeddings"])
-    if type(context) is not int or context == seq_len:
-        return None
-    if seq_len > context:
-        unscaled = ", without RoPE scaling" if args.rope_scaling is None else ""
-        return (f"{KEY}={folder}: seq_len={seq_len} is beyond its max_position_embeddings={context}: training "
-                f"positions its pretraining never saw{unscaled}")
-    return (f"{KEY}={folder}: seq_len={seq_len} is within its max_position_embeddings={context}; an export "
-            f"declares {seq_len} unless given --max-position-embeddings {context}")

@@ -16,7 +16,7 @@ from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
-from trainer.checkpoint.hf_import import check_hf_folder, check_token_ids, read_hf_config
+from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
@@ -32,7 +32,7 @@ _NON_NEGATIVE = (
     "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
-_OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier",
+_OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
                       "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1

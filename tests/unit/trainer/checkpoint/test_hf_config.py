@@ -14,7 +14,7 @@ import transformers
 from model.args import ModelArgs, RopeScaling
 from model.hf import hf_config
 from parallel.errors import ConfigError
-from trainer.checkpoint.hf_import import check_architecture, check_token_ids, context_note
+from trainer.checkpoint.hf_folder import check_architecture, check_token_ids, context_note
 
 THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
