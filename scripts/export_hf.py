@@ -37,6 +37,7 @@ from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
 from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
 from trainer.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from trainer.data.tokenizer_tiktoken import write_hf_files  # noqa: E402
 from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -146,10 +147,8 @@ NORMALIZATION_PROBES = ("a\n    b", "x  y", "trail ", "\uff46\uff55\uff4c\uff4c"
 
 def tokenization_difference(tokenizer: Tokenizer) -> str | None:
     """Where transformers would tokenize text otherwise than training did (None: nowhere probed)."""
-    if tokenizer.kind == "huggingface":
-        return None  # its own files go out as the run read them
     if tokenizer.kind != "sentencepiece":
-        return f"the run's tokenizer is a {tokenizer.kind} file, whose export is not built yet"
+        return None  # its own files, and for tiktoken the tokenizer.json transformers converts from them
     if tokenizer.model_type != "bpe":
         return (f"the model is a sentencepiece {tokenizer.model_type} model: transformers' Llama tokenizer "
                 "segments text as BPE, into other tokens")
@@ -165,7 +164,8 @@ def tokenization_difference(tokenizer: Tokenizer) -> str | None:
 
 
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """A Hugging Face tokenizer's files as the run read them. A sentencepiece model's tokenizer.model, and
+    """A Hugging Face tokenizer's files as the run read them; a tiktoken file in original/, with the
+    tokenizer.json transformers converts from it. A sentencepiece model's tokenizer.model, and
     how transformers must read it to give training's ids: the run tokenizer's own
     bos first (packing puts one before every document), no eos appended, a space prefixed only where the
     model itself adds one (the BPE trained here does not). Special tokens are named by the model's own
@@ -178,6 +178,12 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     if tokenizer.kind == "huggingface":
         for name, data in tokenizer.files.items():
             (out / name).write_bytes(data)
+        return
+    if tokenizer.kind == "tiktoken":  # where Llama 3 folders keep it, and the tokenizer.json made from it
+        ranks = out / "original" / "tokenizer.model"
+        ranks.parent.mkdir(exist_ok=True)
+        ranks.write_bytes(tokenizer.model_bytes)
+        write_hf_files(ranks, out)
         return
     (out / "tokenizer.model").write_bytes(tokenizer.model_bytes)
     config = {

@@ -4,10 +4,9 @@ tokenizer.json by transformers' own TikTokenConverter (how Llama 3's tokenizer.j
 Llama 3's special tokens and the post-processor that starts a text with <|begin_of_text|>."""
 
 import base64
-import json
 from pathlib import Path
 
-from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, LLAMA3_SPECIALS
+from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, write_hf_files
 
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y", "the",
          "token", "  ", "\n", "(", ")", ":", "=", "0", "12", "345"]
@@ -49,21 +48,7 @@ def write_tiktoken(ranks: dict[bytes, int], path: Path) -> Path:
 
 def write_hf_tokenizer(tiktoken_file: Path, folder: Path) -> Path:
     """tokenizer.json and tokenizer_config.json in `folder`, converted from `tiktoken_file` by transformers."""
-    from tokenizers import processors
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    tokenizer = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=LLAMA3_PATTERN,
-                                  extra_special_tokens=list(LLAMA3_SPECIALS)).converted()
-    bos, eos = LLAMA3_SPECIALS[:2]
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                      special_tokens=[(bos, tokenizer.token_to_id(bos))])])
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-              "model_max_length": 131072, "clean_up_tokenization_spaces": True}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_hf_files(tiktoken_file, folder)
     return folder / "tokenizer.json"
 
 

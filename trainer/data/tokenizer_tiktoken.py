@@ -7,6 +7,7 @@ Text that spells a special token stays text.
 """
 
 import base64
+import json
 import binascii
 import hashlib
 from pathlib import Path
@@ -70,3 +71,26 @@ class TiktokenTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids))
+
+
+def write_hf_files(ranks_file: Path, folder: Path) -> None:
+    """tokenizer.json and tokenizer_config.json for a tiktoken file, as Llama 3 folders ship them: the
+    vocabulary and merges converted by transformers' own TikTokenConverter, Llama 3's special tokens, and
+    a post-processor that starts a text with bos, so AutoTokenizer gives this tokenizer's ids."""
+    try:
+        from tokenizers import processors
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    except ImportError as e:
+        raise ConfigError(f"writing a tiktoken tokenizer as tokenizer.json needs transformers ({e})") from e
+    tokenizer = TikTokenConverter(vocab_file=str(ranks_file), pattern=LLAMA3_PATTERN,
+                                  extra_special_tokens=list(LLAMA3_SPECIALS)).converted()
+    bos, eos = LLAMA3_SPECIALS[:2]
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tokenizer.token_to_id(bos))])])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

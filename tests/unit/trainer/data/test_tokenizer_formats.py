@@ -119,3 +119,19 @@ def test_packing_with_a_given_tokenizer_writes_bos_document_eos(folders, kind, t
     with pytest.raises(ConfigError, match=rf"^model.vocab_size=7 does not match data.tokenizer=.* \(vocab size "
                                           rf"{tokenizer.vocab_size}\)$"):
         prepare_dataset(str(source), str(folders[kind]), 7, tmp_path / "cache", True, lambda line: None)
+
+
+@pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])
+def test_the_export_gives_transformers_the_runs_ids(folders, kind, tmp_path):
+    """scripts/export_hf.py writes each tokenizer in its own format; a tiktoken file also as the
+    tokenizer.json transformers converts from it, so AutoTokenizer loads the export with the run's ids."""
+    from scripts.export_hf import tokenization_difference, write_tokenizer
+
+    ours = load_tokenizer(folders[kind])
+    assert tokenization_difference(ours) is None
+    write_tokenizer(ours, tmp_path)
+    theirs = auto_tokenizer(tmp_path)
+    assert theirs.encode(TEXT, add_special_tokens=False) == ours.encode(TEXT)
+    assert theirs.encode("x")[0] == ours.bos_id  # a prompt starts with bos, as every packed document does
+    assert load_tokenizer(tmp_path).sha256 == ours.sha256 if kind == "huggingface" else \
+        (tmp_path / "original" / "tokenizer.model").read_bytes() == ours.model_bytes
