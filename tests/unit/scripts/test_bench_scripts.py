@@ -8,7 +8,7 @@ import re
 import pytest
 
 BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "fsdp_runners", "pp", "ranks", "step", "tp",
-           "trainer_step")
+           "tokenizer_throughput", "trainer_step")
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -58,3 +58,10 @@ def test_peak_tensor_bytes_subtract_a_block_freed_where_the_profiler_did_not_see
     assert fsdp.peak_allocated(events, start_ts=0) == 150  # at ts 2; later totals less the unseen 100
     assert fsdp.peak_allocated(events, start_ts=4) == 150  # ts 6: 250 - 100 (ts 4 reads 140: still high)
     assert fsdp.peak_allocated(events[:4], start_ts=4) == 140  # not yet known to be freed: reads high
+
+
+def test_tokenizer_bench_gives_each_format_the_ids_autotokenizer_gives(capsys) -> None:
+    bench = importlib.import_module("scripts.bench.tokenizer_throughput")
+    bench.main(["--quick"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "MB/s" not in line]
+    assert len(rows) == 3 and all(row[5].strip() == "True" for row in rows), rows
