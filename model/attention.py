@@ -145,7 +145,14 @@ class Attention(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         x = self.tp.enter(x)
         bsz, seq, _ = x.shape
-        q, k, v = (t.view(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in self.wqkv.split(self.wqkv(x)))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         out = self.core(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [batch, seq, dim] (in the TP region) -> q, k, v [batch, heads, seq, head_dim], q and k rotated.
+        Its own method so that decoding with a KV cache (model/kv_cache.py) projects exactly as training does."""
+        bsz, seq, _ = x.shape
+        q, k, v = (t.view(bsz, seq, -1, self.head_dim).transpose(1, 2) for t in self.wqkv.split(self.wqkv(x)))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

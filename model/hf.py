@@ -2,10 +2,12 @@
 
 Our RoPE is rotate-half and our RMSNorm is HF's, so weights map by name alone: a fused parameter
 (q/k/v, gate/up) is its HF parts stacked along dim 0, in part order; nothing is permuted or reshaped.
-Export (scripts/export_hf.py) and import (checkpoint.init_from_hf) both go through this mapping.
+Export (scripts/export_hf.py), import (checkpoint.init_from_hf) and generation (scripts/generate.py)
+go through this mapping.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -68,6 +70,16 @@ def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.
     for name, tensor in weights.items():
         out.update(zip(hf_names(name), tensor.split(part_sizes(params[name]), dim=0)))
     return out
+
+
+def from_hf(read: Callable[[str], torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (`read` gives one by name) -> our full weights, the inverse of to_hf: a fused
+    parameter is its parts stacked along dim 0, in part order."""
+    weights = {}
+    for name in _meta_params(args):
+        parts = [read(hf) for hf in hf_names(name)]
+        weights[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return weights
 
 
 def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_positions: int | None = None) -> dict:

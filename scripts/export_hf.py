@@ -34,25 +34,17 @@ from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
+from trainer.checkpoint.model_folder import read_train_config  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
-from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
+from trainer.config.schema import TrainConfig  # noqa: E402
 from trainer.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from trainer.data.tokenizer_tiktoken import write_hf_files  # noqa: E402
-from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE  # noqa: E402
+from trainer.outputs import CHECKPOINTS_DIR  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 DEFAULT_SHARD_SIZE = "5GB"
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}  # decimal, as transformers spells them
-
-
-def read_train_config(ckpt: Path) -> TrainConfig:
-    """The run's config, saved next to the shards; the manifest has already vouched for its bytes."""
-    try:
-        raw = json.loads((ckpt / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {ckpt} has no readable {CONFIG_FILE}: {e}")
-    return from_dict(raw)
 
 
 def parse_size(text: str) -> int:

@@ -1,13 +1,20 @@
-"""Llama-3-style tokenizer files, made here and never downloaded: a byte-level BPE learned from a small
-corpus with the `tokenizers` package, written as Meta's tiktoken ranks file, and converted from it to a
-tokenizer.json by transformers' own TikTokenConverter (how Llama 3's tokenizer.json was made), with
-Llama 3's special tokens and the post-processor that starts a text with <|begin_of_text|>."""
+"""A Llama-3.1-style folder, made here and never downloaded. Its tokenizer: a byte-level BPE learned from a
+small corpus with the `tokenizers` package, written as Meta's tiktoken ranks file, and converted from it to
+a tokenizer.json by transformers' own TikTokenConverter (how Llama 3's tokenizer.json was made), with
+Llama 3's special tokens and the post-processor that starts a text with <|begin_of_text|>. Its model: a
+tiny transformers Llama with llama3 RoPE scaling over a short original context (16 positions)."""
 
 import base64
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, write_hf_files
 
+if TYPE_CHECKING:  # transformers is imported where a model is built: a tokenizer alone does not need it
+    import transformers
+
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y", "the",
          "token", "  ", "\n", "(", ")", ":", "=", "0", "12", "345"]
 
@@ -63,3 +70,21 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars[byte] = chr(256 + extra)
             extra += 1
     return chars
+
+
+def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int,
+                   init_std: float = 0.02) -> "transformers.LlamaForCausalLM":
+    """A tiny random Llama 3.1 (GQA, an intermediate_size no sizing rule gives, ROPE) saved in `folder`;
+    its weights drawn with std `init_std` (transformers' initializer_range)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(ROPE),
+        max_position_embeddings=128, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False,
+        initializer_range=init_std, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model

@@ -10,31 +10,17 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 from tests.e2e.launch import REPO, train_ok
 from tests.e2e.test_hf_import import hf_tensors
-from tests.llama3_folder import corpus_lines, learned_ranks, write_hf_tokenizer, write_tiktoken
+from tests.llama3_folder import ROPE, corpus_lines, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.sampler import GlobalBatchSampler, split_windows
 from trainer.data.tokenizer import load_tokenizer
 
+# The context the folder was pretrained for (ROPE) is shorter than seq_len: the scaled frequencies decide the loss.
 SEQ, BATCH = 64, 2
-# The context it was pretrained for is shorter than seq_len: the scaled frequencies decide the loss.
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}
-
-
-def llama31_folder(folder, vocab_size: int, bos: int, eos: int) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(ROPE), max_position_embeddings=128,
-        bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    return model
 
 
 def test_model_hf_on_tp2_pp2_gives_transformers_loss_and_exports_back_bitwise(tmp_path):

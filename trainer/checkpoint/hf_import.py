@@ -22,14 +22,24 @@ from trainer.checkpoint.hf_folder import (KEY, check_architecture, context_note,
                                           tensor_files)
 
 
-class _Reader:
-    """Slices of HF tensors, each file opened once."""
+class HFReader:
+    """HF tensors, whole or sliced, each file opened once; a tied model's missing lm_head reads as its
+    embedding (as transformers reads it)."""
 
     def __init__(self, folder: Path, tied: bool):
         self.folder, self.files, self.tied = folder, tensor_files(folder), tied
         self._open: dict[Path, object] = {}
 
     def slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        stored, handle = self._stored(name)
+        return handle.get_slice(stored)[index]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        stored, handle = self._stored(name)
+        return handle.get_tensor(stored)
+
+    def _stored(self, name: str) -> tuple[str, object]:
+        """The name `name` is stored under, and the open file that holds it."""
         if name not in self.files and self.tied and name == TIED_HEAD[0]:
             name = TIED_HEAD[1]
         if name not in self.files:
@@ -37,10 +47,10 @@ class _Reader:
         path = self.files[name]
         if path not in self._open:
             self._open[path] = open_safetensors(self.folder, path)
-        return self._open[path].get_slice(name)[index]
+        return name, self._open[path]
 
 
-def _fill_box(reader: _Reader, name: str, parts: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+def _fill_box(reader: HFReader, name: str, parts: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
     """Copy a box of our full parameter from its HF part(s), stacked along dim 0."""
     start = 0
     for hf_name, size in zip(hf_names(name), parts):
@@ -52,7 +62,7 @@ def _fill_box(reader: _Reader, name: str, parts: tuple[int, ...], box: Box, view
         start += size
 
 
-def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
+def _import_unit(reader: HFReader, unit: FSDPUnit) -> None:
     local = unit.flat_param.detach()
     boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
     for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
@@ -69,7 +79,7 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callabl
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
     tied = bool(config.get("tie_word_embeddings", False))
-    reader = _Reader(folder, tied)
+    reader = HFReader(folder, tied)
     with torch.no_grad():
         for root in roots:
             for unit in root.units:

@@ -1,0 +1,126 @@
+"""scripts/generate.py: greedy generation from a Hugging Face folder is transformers' generate token for
+token (llama3 RoPE scaling over a prompt longer than the original context), a training checkpoint gives
+what its Hugging Face export gives, sampling is reproducible and top-p filters, and a bad PATH is one
+error line with exit code 2."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import scripts.export_hf as export_hf
+from model.attention import RotaryEmbedding
+from model.generate import Sampling, top_p_filter
+from model.init import init_weights
+from model.transformer import Transformer
+from scripts.generate import completion, generate_ids, main, prompt_ids
+from tests import REPO
+from tests.llama3_folder import ROPE, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
+from trainer.checkpoint.files import save_checkpoint
+from trainer.checkpoint.model_folder import load_model
+from trainer.config.schema import from_dict
+from trainer.data.tokenizer import load_tokenizer
+from trainer.outputs import CONFIG_FILE
+
+CPU, FP32 = torch.device("cpu"), torch.float32
+PROMPT = "def value(self, x):\n    return self.token(x) for über in naïve 数据 import class"
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
+    """A tiny Llama 3.1 folder with its tokenizer.json, and the transformers model it holds. Its weights are
+    drawn large enough for attention to depend on positions (at 0.02 it is near uniform, and RoPE moot)."""
+    folder = tmp_path_factory.mktemp("llama31")
+    write_hf_tokenizer(write_tiktoken(learned_ranks(), folder / "ranks" / "tokenizer.model"), folder)
+    tokenizer = load_tokenizer(folder)
+    return folder, llama31_folder(folder, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, init_std=0.2)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "x = 12"], ids=["past_the_original_context", "short"])
+def test_greedy_ids_are_transformers_generate(llama31, prompt: str) -> None:
+    folder, hf = llama31
+    model, tokenizer = load_model(folder, CPU, FP32)
+    ids = prompt_ids(tokenizer, prompt)
+    assert ids[0] == tokenizer.bos_id
+    inputs = torch.tensor([ids])
+    expected = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    assert generate_ids(model, tokenizer, prompt, NEW_TOKENS) == expected
+    if prompt == PROMPT:  # positions past the original context: the scaled frequencies decide the ids
+        assert len(ids) > ROPE["original_max_position_embeddings"]
+        model.rope = RotaryEmbedding(model.args.head_dim, model.args.rope_theta, scaling=None)
+        assert generate_ids(model, tokenizer, prompt, NEW_TOKENS) != expected
+
+
+def test_the_command_prints_the_completion_alone(llama31) -> None:
+    folder, _ = llama31
+    model, tokenizer = load_model(folder, CPU, FP32)
+    expected = completion(tokenizer, generate_ids(model, tokenizer, PROMPT, 8))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the fp32 CPU run the ids above come from
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(folder), "--prompt", PROMPT,
+                           "--max-new-tokens", "8"], cwd=REPO, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode() == expected and expected
+
+
+def test_sampling_is_reproducible_and_top_p_filters(llama31) -> None:
+    model, tokenizer = load_model(llama31[0], CPU, FP32)
+
+    def sample(seed: int, temperature: float = 1.0, top_p: float = 1.0) -> list[int]:
+        return generate_ids(model, tokenizer, PROMPT, 16, Sampling(temperature, top_p, seed))
+
+    greedy, first = generate_ids(model, tokenizer, PROMPT, 16), sample(0)
+    assert sample(0) == first and sample(1) != first and first != greedy
+    # A nucleus that only the most likely token fills is greedy, whatever the temperature.
+    assert sample(0, temperature=2.0, top_p=1e-6) == greedy
+    probs = torch.tensor([0.125, 0.5, 0.375])
+    assert top_p_filter(probs, 0.5).tolist() == [0.0, 0.5, 0.0]
+    assert top_p_filter(probs, 0.75).tolist() == [0.0, 0.5, 0.375]
+    assert top_p_filter(probs, 1.0).tolist() == probs.tolist()
+
+
+def test_a_checkpoint_generates_what_its_hugging_face_export_does(llama31, world, tmp_path: Path) -> None:
+    """A checkpoint written by the trainer's own save (one process, full weights by name, as every layout
+    stores them), with the run's config and tokenizer: the same greedy ids as scripts/export_hf.py's folder."""
+    tokenizer = load_tokenizer(llama31[0])
+    cfg = from_dict({"seq_len": 64, "model": {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+                                              "vocab_size": tokenizer.vocab_size,
+                                              "rope_scaling": {"original_max_position_embeddings": 16}}})
+    trained = Transformer(cfg.model)
+    init_weights(trained, cfg.model, seed=3)
+    files = {**tokenizer.files, CONFIG_FILE: json.dumps(dataclasses.asdict(cfg)).encode()}
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 1, {"model": trained.state_dict()}, world, 0, files)
+    export_hf.export(ckpt, tmp_path / "hf", FP32)
+    from_checkpoint = generate_ids(*load_model(ckpt, CPU, FP32), PROMPT, NEW_TOKENS)
+    assert from_checkpoint == generate_ids(*load_model(tmp_path / "hf", CPU, FP32), PROMPT, NEW_TOKENS)
+    with torch.no_grad():  # and what the training forward predicts, recomputed without a cache
+        ids = prompt_ids(tokenizer, PROMPT)
+        greedy = [int(trained(torch.tensor([ids + from_checkpoint[:i]]))[0, -1].argmax()) for i in range(4)]
+    assert greedy == from_checkpoint[:4]
+
+
+def test_a_bad_path_or_option_is_one_error_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "no_tokenizer").mkdir()
+    (tmp_path / "no_tokenizer" / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "manifest.json").write_text("{}")
+    cases = [([str(tmp_path / "missing")], str(tmp_path / "missing")), ([str(tmp_path / "empty")], "neither"),
+             ([str(tmp_path / "file")], str(tmp_path / "file")),
+             ([str(tmp_path / "no_tokenizer")], f"PATH={tmp_path / 'no_tokenizer'} is a folder without"),
+             ([str(run)], f"its newest complete checkpoint is {run / 'checkpoints' / 'step_2'}"),
+             ([str(run), "--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+             ([str(run), "--temperature", "-1"], "temperature=-1.0 must be")]
+    for argv, fragment in cases:
+        assert main([*argv, "--prompt", "x"]) == 2
+        out, err = capsys.readouterr()
+        assert not out and err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err

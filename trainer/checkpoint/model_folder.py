@@ -1,0 +1,95 @@
+"""A whole model and its tokenizer, read in one process for inference (scripts/generate.py): from a
+training checkpoint (a step_N folder, written under any parallel layout) or from a Hugging Face Llama
+folder, told apart by their files.
+
+A checkpoint gives its architecture in train_config.json, its weights through DCP's single-process load
+and its tokenizer as the run read it. A Hugging Face folder gives the architecture in config.json (as
+`model=hf` reads it), the weights mapped by model/hf.py's names and the tokenizer files it ships. Either
+way the model is our Transformer with full weights, on one device, in eval mode.
+"""
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from model.args import ModelArgs
+from model.hf import from_hf
+from model.transformer import Transformer
+from parallel.errors import ConfigError
+from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint
+from trainer.checkpoint.hf_folder import KEY, check_tensor_shapes, model_keys, read_hf_config
+from trainer.checkpoint.hf_import import HFReader
+from trainer.checkpoint.state import load_full_weights
+from trainer.config.schema import TrainConfig, from_dict
+from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE
+
+HF_CONFIG = "config.json"
+CHECKPOINT, HF = "checkpoint", "Hugging Face folder"
+Weights = dict[str, torch.Tensor]
+
+
+def read_train_config(ckpt: Path) -> TrainConfig:
+    """The run's config, saved next to the shards; the manifest has already vouched for its bytes."""
+    try:
+        raw = json.loads((ckpt / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {ckpt} has no readable {CONFIG_FILE}: {e}")
+    return from_dict(raw)
+
+
+def folder_kind(path: Path) -> str:
+    """CHECKPOINT (it has the manifest a save writes last) or HF (a config.json); one line naming `path`
+    when it is neither."""
+    if (path / MANIFEST).is_file():
+        return CHECKPOINT
+    if (path / HF_CONFIG).is_file():
+        return HF
+    newest = latest_checkpoint(path / CHECKPOINTS_DIR) if path.is_dir() else None
+    hint = f"; its newest complete checkpoint is {newest}" if newest else ""
+    raise ConfigError(f"{path} is neither a checkpoint (a step_N folder with {MANIFEST}) nor a Hugging Face folder "
+                      f"(with {HF_CONFIG}){hint}")
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+    """The model in `path` (a checkpoint or a Hugging Face folder) in `dtype` on `device`, and its tokenizer."""
+    args, weights, tokenizer = (_from_checkpoint if folder_kind(path) == CHECKPOINT else _from_hf)(path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"{path}: its tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary only "
+                          f"{args.vocab_size}")
+    # No fp8 GEMMs: their scaling state is a training matter, and the weights themselves are full precision.
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, use_fp8=False))
+    model.load_state_dict(weights, assign=True)
+    return model.to(device, dtype).eval(), tokenizer
+
+
+def _from_checkpoint(path: Path) -> tuple[ModelArgs, Weights, Tokenizer]:
+    # Sizes only: a sha256 pass would read every shard once more before DCP reads it.
+    problem = checkpoint_files_problem(path, rank=0, world=1, checksums=False)
+    if problem:
+        raise ConfigError(problem)
+    cfg = read_train_config(path)
+    tokenizer = load_tokenizer(path, "checkpoint")
+    with warnings.catch_warnings():
+        # Single-process loading is the intent here, not an accident DCP should warn about.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        weights = load_full_weights(path, cfg)
+    return cfg.model, weights, tokenizer
+
+
+def _from_hf(folder: Path) -> tuple[ModelArgs, Weights, Tokenizer]:
+    tokenizer = load_tokenizer(folder, "PATH")
+    try:
+        config = read_hf_config(folder)
+        args = from_dict({"model": model_keys(config, folder)}).model
+        tied = bool(config.get("tie_word_embeddings", False))
+        check_tensor_shapes(folder, args, tied)
+        weights = from_hf(HFReader(folder, tied).tensor, args)
+    except ConfigError as e:
+        # hf_folder.py's lines name the folder by the training key they were written for; this one names it alone.
+        raise ConfigError(f"{folder}: {str(e).removeprefix(f'{KEY}={folder}: ')}") from None
+    return args, weights, tokenizer
