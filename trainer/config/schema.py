@@ -106,6 +106,7 @@ class TrainConfig:
     batch_size: int = 4
     microbatch_size: int = 1
     seq_len: int = 128
+    make_vocab_size_divisible_by: int | None = None
     model_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
