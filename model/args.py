@@ -26,7 +26,10 @@ class ModelArgs:
     dim: int = 64
     n_heads: int = 4
     n_kv_heads: int = 2
-    vocab_size: int = 512
+    vocab_size: int = 512  # rows of the embedding and the output head
+    # The tokenizer's ids, 0 .. valid_vocab_size - 1: the rows past them are padding (a vocabulary rounded
+    # up for TP, or a Hugging Face folder's own), zero at init and never a target. None: no padding.
+    valid_vocab_size: int | None = None
     ffn_dim_multiplier: float | None = None
     multiple_of: int = 32
     intermediate_size: int | None = None  # the SwiGLU hidden size as given (a Hugging Face config.json's)

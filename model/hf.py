@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from model.args import ModelArgs, RopeScaling
-from model.transformer import Transformer
+from model.transformer import VOCAB_PARAMETERS, Transformer
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": ("model.embed_tokens.weight",),
@@ -64,10 +64,13 @@ def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def to_hf(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full weights -> Hugging Face tensors, splitting fused parameters into their parts."""
+    """Our full weights -> the Hugging Face tensors of the model `args` describes, splitting fused parameters
+    into their parts. Its vocabulary may be smaller than the weights': their padding rows are left out."""
     params = _meta_params(args)
     out = {}
     for name, tensor in weights.items():
+        if name in VOCAB_PARAMETERS:
+            tensor = tensor[: args.vocab_size]
         out.update(zip(hf_names(name), tensor.split(part_sizes(params[name]), dim=0)))
     return out
 

@@ -7,6 +7,10 @@ rank materializes its TP slice by drawing just the tiles that slice overlaps: wi
 of what it keeps, never the whole (unsliced) parameter; under FSDP a rank draws only the boxes of its
 shard (`init_box`), about 1/(tp x dp) of the model. Values are drawn on the CPU (one generator
 everywhere, so CPU and CUDA runs start from the same weights) and moved to the device by the caller.
+
+A padded vocabulary (args.valid_vocab_size below args.vocab_size) starts its padding rows of the
+embedding and the head at zero, and draws its other rows from tiles cut at the tokenizer's size, as the
+unpadded model does: padding changes no real weight.
 """
 
 import hashlib
@@ -18,6 +22,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.fp8 import initial_buffer
+from model.transformer import VOCAB_PARAMETERS
 from parallel.tensor_parallel import TPContext
 
 _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
@@ -64,6 +69,9 @@ def _draw_tile(name: str, index: tuple[int, ...], shape: tuple[int, ...], std: f
 def init_region(name: str, shape: torch.Size, region: tuple[slice, ...], args: ModelArgs, seed: int) -> torch.Tensor:
     """full_value[region] of parameter `name` (full shape `shape`; `region` slices its first one or two
     dims), drawing only the tiles the region overlaps."""
+    real = _real_rows(name, shape, args)
+    if real is not None:
+        return _padded_region(name, shape, region, real, args, seed)
     std = init_std(name, args)
     sizes = [s.stop - s.start for s in region] + list(shape[len(region):])
     if std is None:
@@ -81,6 +89,27 @@ def init_region(name: str, shape: torch.Size, region: tuple[slice, ...], args: M
         dst = tuple(slice(max(region[d].start, lo[d]) - region[d].start, min(region[d].stop, hi[d]) - region[d].start)
                     for d in range(tiled_dims))
         out[dst] = drawn[src]
+    return out
+
+
+def _real_rows(name: str, shape: torch.Size, args: ModelArgs) -> int | None:
+    """The rows of a vocabulary parameter that are the tokenizer's, where padding follows them; else None."""
+    valid = args.valid_vocab_size
+    if name not in VOCAB_PARAMETERS or valid is None or valid >= shape[0]:
+        return None
+    return valid
+
+
+def _padded_region(name: str, shape: torch.Size, region: tuple[slice, ...], real: int, args: ModelArgs,
+                   seed: int) -> torch.Tensor:
+    """A region of a padded vocabulary parameter: zero from row `real` on, the rows before it the unpadded
+    parameter's (of `real` rows: its last tiles are cut where the unpadded model's are)."""
+    rows = region[0]
+    out = torch.zeros([s.stop - s.start for s in region] + list(shape[len(region):]))
+    kept = slice(rows.start, min(rows.stop, real))
+    if kept.start < kept.stop:  # a TP rank or FSDP shard may hold padding only
+        unpadded = torch.Size((real, *shape[1:]))
+        out[: kept.stop - kept.start] = init_region(name, unpadded, (kept, *region[1:]), args, seed)
     return out
 
 

@@ -15,6 +15,9 @@ from model.attention import Attention, Documents, RotaryEmbedding, block_causal_
 from parallel.context_parallel import CPContext
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 
+# The parameters whose rows (dim 0) are the vocabulary's: those past args.valid_vocab_size are padding.
+VOCAB_PARAMETERS = ("tok_embeddings.weight", "head.output.weight")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

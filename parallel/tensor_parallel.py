@@ -234,17 +234,18 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add zero loss and
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocab-sharded logits without gathering them: max, sum-exp and the target
     logit are reduced over TP; the backward (softmax - onehot) is purely local. Behaves as
-    F.cross_entropy at tp=1: IGNORE_INDEX targets give 0, and a target no rank owns (out of the vocab)
-    gives NaN, which halts training, where tp=1 raises."""
+    F.cross_entropy at tp=1: IGNORE_INDEX targets give 0, and a target no rank owns (out of the vocab,
+    or a padding id) gives NaN, which halts training, where tp=1 raises. `local_valid`: this rank's
+    columns that are not padding."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
-        logits = logits.float()
+    def forward(ctx, logits, targets, group, vocab_start, local_valid):
+        logits = _mask_padding(logits.float(), local_valid)
         logits_max = logits.max(dim=-1).values
         comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         local = targets - vocab_start
-        outside = (local < 0) | (local >= logits.shape[-1])
+        outside = (local < 0) | (local >= local_valid)  # a padding id is no token: no rank owns it
         local = local.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
@@ -263,15 +264,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = grad.view(-1, grad.shape[-1])
         # Indexed write with one index per row: deterministic on CUDA, unlike a 2-D scatter_add_.
         rows[torch.arange(rows.shape[0], device=rows.device), local.view(-1)] -= (~outside).view(-1).to(grad.dtype)
-        return grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1), None, None, None
+        return grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """Per-token loss from [..., V/tp] logits and [...] global target ids, numerically stable."""
+def _mask_padding(logits: torch.Tensor, local_valid: int) -> torch.Tensor:
+    """-inf for the padding columns (from `local_valid` on): they get no probability, so no gradient, and
+    the loss is the unpadded vocabulary's. A rank of padding only has a max of -inf, which the MAX
+    all-reduce replaces by the other ranks'."""
+    if local_valid >= logits.shape[-1]:
+        return logits
+    padding = torch.arange(logits.shape[-1], device=logits.device) >= local_valid
+    return logits.masked_fill(padding, float("-inf"))  # not in place: fp32 logits are the caller's
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext,
+                                 valid_vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token loss from [..., V/tp] logits and [...] global target ids, numerically stable. Columns
+    from `valid_vocab_size` on (None: none) are a padded vocabulary's: never a target, masked out."""
+    width = logits.shape[-1]
+    valid = tp.size * width if valid_vocab_size is None else valid_vocab_size
     if tp.size == 1:
-        flat = logits.float().flatten(0, -2)
+        flat = logits[..., :valid].float().flatten(0, -2)
         return nn.functional.cross_entropy(
             flat, targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
         ).view(targets.shape)
-    vocab_start = tp.rank * logits.shape[-1]
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp.group, vocab_start)
+    vocab_start = tp.rank * width
+    local_valid = min(max(valid - vocab_start, 0), width)
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp.group, vocab_start, local_valid)

@@ -8,7 +8,9 @@ Evaluation harnesses and inference servers read Hugging Face's layout, not DCP s
 as one plain process (no torchrun, no process group): the manifest is verified locally and DCP loads in
 its single-process mode, one output shard's parameters at a time, so the process holds about one shard
 (`--max-shard-size`, 5GB by default), not the model. Weights map by name (model/hf.py): fused q/k/v and
-gate/up split into their parts, nothing permuted or reshaped.
+gate/up split into their parts, nothing permuted or reshaped. A padded vocabulary goes out without its
+padding rows, at the tokenizer's size, unless a `checkpoint.init_from_hf` folder padded it itself: that
+one goes back as it came (trainer/config/vocab.py).
 
     python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] [--no-tokenizer]
                                 [--max-position-embeddings N] [--max-shard-size 5GB]
@@ -21,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import warnings  # noqa: E402
@@ -37,6 +40,7 @@ from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
 from trainer.checkpoint.model_folder import read_train_config  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
 from trainer.config.schema import TrainConfig  # noqa: E402
+from trainer.config.vocab import exported_vocab_size  # noqa: E402
 from trainer.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from trainer.data.tokenizer_tiktoken import write_hf_files  # noqa: E402
 from trainer.outputs import CHECKPOINTS_DIR  # noqa: E402
@@ -93,8 +97,8 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
     if problem:
         raise ConfigError(problem)
     cfg = read_train_config(ckpt)
-    args = cfg.model
     tokenizer = load_tokenizer(ckpt, "checkpoint")
+    args = dataclasses.replace(cfg.model, vocab_size=exported_vocab_size(cfg, tokenizer.vocab_size))
     difference = tokenization_difference(tokenizer) if with_tokenizer else None
     if difference:
         raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
@@ -103,14 +107,16 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id, max_positions)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(ckpt, cfg, out, dtype, shard_plan(args, dtype, max_shard_bytes))
+    write_weights(ckpt, cfg, args, out, dtype, shard_plan(args, dtype, max_shard_bytes))
     if with_tokenizer:
         write_tokenizer(tokenizer, out)
 
 
-def write_weights(ckpt: Path, cfg: TrainConfig, out: Path, dtype: torch.dtype, shards: list[list[str]]) -> None:
+def write_weights(ckpt: Path, cfg: TrainConfig, args: ModelArgs, out: Path, dtype: torch.dtype,
+                  shards: list[list[str]]) -> None:
     """Each output shard from its own load, so only one shard's parameters are in memory at a time;
-    one shard is model.safetensors, several are numbered and listed in the index."""
+    one shard is model.safetensors, several are numbered and listed in the index. `args`: the exported
+    model (the checkpoint's, its vocabulary without the padding rows an export drops)."""
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map, total = {}, 0
@@ -119,7 +125,7 @@ def write_weights(ckpt: Path, cfg: TrainConfig, out: Path, dtype: torch.dtype, s
             # Single-process loading is the intent here, not an accident DCP should warn about.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             weights = load_full_weights(ckpt, cfg, names)
-        tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, cfg.model).items()}
+        tensors = {n: t.to(dtype).contiguous() for n, t in to_hf(weights, args).items()}
         del weights
         save_file(tensors, out / file, metadata={"format": "pt"})
         # safetensors writes through a private temp file (mode 0600); give it the mode the umask gave config.json.

@@ -34,9 +34,11 @@ from trainer.parallelize import (block_factory, build_chunks, build_runtime, com
 from trainer.resilience.nonfinite import first_nonfinite_unit, halt_message
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
-    """Sum of next-token cross-entropy over all tokens, in fp32, from (vocab-sharded) logits."""
-    return vocab_parallel_cross_entropy(logits, targets, tp or TPContext()).sum()
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPContext | None = None,
+                   valid_vocab_size: int | None = None) -> torch.Tensor:
+    """Sum of next-token cross-entropy over all tokens, in fp32, from (vocab-sharded) logits; the columns
+    from `valid_vocab_size` on (a padded vocabulary's) are masked out."""
+    return vocab_parallel_cross_entropy(logits, targets, tp or TPContext(), valid_vocab_size).sum()
 
 
 @dataclass
@@ -93,6 +95,11 @@ class StepRunner:
         update_scaling(self.fp8_gemms, self.mesh.group("dp_cp_tp"))
 
     @property
+    def valid_vocab_size(self) -> int | None:
+        """The tokenizer's ids: the logits past them are padding, masked out of the loss."""
+        return self.cfg.model.valid_vocab_size
+
+    @property
     def global_tokens(self) -> int:
         """The loss's (and gradient's) divisor: every target of the global batch. The loader never masks
         a target (IGNORE_INDEX); a data path that does must divide by the step's unmasked count instead,
@@ -147,7 +154,7 @@ class StepRunner:
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
-                mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp)
+                mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp, self.valid_vocab_size)
                 loss_sum += mb_loss.double()
                 return mb_loss
 
@@ -184,7 +191,7 @@ class StepRunner:
 
         def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
             nonlocal loss_sum
-            mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp)
+            mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp, self.valid_vocab_size)
             loss_sum += mb_loss.detach().double()
             return mb_loss / self.global_tokens
 

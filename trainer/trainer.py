@@ -29,6 +29,7 @@ from trainer.checkpoint.resume import refuse_a_changed_run_early, resume, resume
 from trainer.checkpoint.state import checkpoint_state
 from trainer.config.rules import inert_keys
 from trainer.config.schema import TrainConfig
+from trainer.config.vocab import with_tokenizer_vocabulary
 from trainer.data.build import build_data
 from trainer.observability.memory import MemorySnapshots
 from trainer.observability.metrics import MetricsLog, StepMetrics, record_history_owner
@@ -59,6 +60,8 @@ class Trainer:
         # Before the data is prepared (hours for a new corpus): a resume that would be refused says so now.
         refuse_a_changed_run_early(cfg, config_fingerprint(cfg, dtype_name, cfg.batch_size * mesh.dims.dp))
         self.data = build_data(cfg, mesh.dp_rank, mesh.dims.dp, self.rank, self.log, resumed_checkpoint(cfg))
+        # The model's vocabulary is the tokenizer's (padded); from here on, every part of the run sees it.
+        self.cfg = cfg = with_tokenizer_vocabulary(cfg, self.data.tokenizer.vocab_size, str(self.data.tokenizer.path))
         self.runner = StepRunner.build(cfg, mesh, self.data.loader, device, self.data.eval_loader)
         self.rng = RNGStreams(cfg.seed, self.runner.chunks[0].tp.rank, device)
         self.fingerprint = run_fingerprint(cfg, dtype_name, self.data.loader.sampler.global_batch_size,

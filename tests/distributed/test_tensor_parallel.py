@@ -1,5 +1,6 @@
 """Tensor + sequence parallelism against TP=1: loss and every gathered gradient, exact per-block
-collective counts, sequence-split activation memory, and TP x FSDP against the single-process run."""
+collective counts, sequence-split activation memory, a padded vocabulary's loss, and TP x FSDP against
+the single-process run."""
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,32 @@ def _check_ignored_and_unowned_targets(rank: int, world: int) -> None:
     assert unowned[1].isnan() and unowned[[0, 2]].isfinite().all(), unowned
 
 
+def _check_padded_vocab(rank: int, world: int) -> None:
+    """A padded vocabulary of 20 ids in 64 columns on tp=2 and tp=4 (the last ranks hold padding only, one
+    rank of tp=4 both): the unpadded loss and gradient, none into the padding, and a padding id no rank
+    owns (NaN, as an id out of the vocabulary)."""
+    real = 20
+    logits = torch.randn(6, ARGS.vocab_size, generator=torch.Generator().manual_seed(3))
+    logits[:, real:] += 30.0  # unmasked, the padding would take almost all the probability
+    targets = torch.tensor([0, 5, 19, -100, 7, 13])
+    unpadded = logits[:, :real].clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(unpadded, targets, reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([unpadded.grad, torch.zeros(6, ARGS.vocab_size - real)], 1)
+    for tp_size in (2, 4):
+        mesh = ParallelMesh(ParallelDims.from_sizes(world, model_parallel_size=tp_size), "cpu")
+        tp = TPContext(mesh.group("tp"))
+        columns = slice(tp.rank * ARGS.vocab_size // tp_size, (tp.rank + 1) * ARGS.vocab_size // tp_size)
+        local = logits[:, columns].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, tp, valid_vocab_size=real)
+        loss.sum().backward()
+        assert torch.allclose(loss, ref, rtol=1e-6), (tp_size, loss, ref)
+        assert torch.allclose(local.grad, ref_grad[:, columns], atol=1e-7), tp_size
+        assert not local.grad[:, max(real - columns.start, 0):].any(), tp_size  # the padding's: exactly zero
+        padding_id = vocab_parallel_cross_entropy(local.detach(), torch.tensor([real, 0, 1, 2, 3, 4]), tp, real)
+        assert padding_id[0].isnan() and padding_id[1:].isfinite().all(), (tp_size, padding_id)
+
+
 def _block_counts(tp: TPContext) -> tuple[dict, dict]:
     """Collectives of one transformer block's forward, then of its backward, on the TP group."""
     model = _model(tp)
@@ -162,6 +189,7 @@ def _all_checks(rank: int, world: int) -> None:
     _check_against_tp1(rank, world)
     _check_counts(rank, world)
     _check_ignored_and_unowned_targets(rank, world)
+    _check_padded_vocab(rank, world)
     _check_activation_memory(rank, world)
 
 

@@ -55,6 +55,9 @@ _HINTS = {
     "data": "data.source (or its packed tokens) changed",
     "data_sample": "data.source (or its packed tokens) changed",
     "data_sha256": "data.source (or its packed tokens) changed",
+    "model.vocab_size": "the model's rows, which make_vocab_size_divisible_by rounds up to a multiple of it x "
+                        "model_parallel_size: to resume a padded run on another layout, pass "
+                        "make_vocab_size_divisible_by=null model.vocab_size={old}",
     "global_batch_size": "batch_size is per data-parallel rank: to resume on another layout, set batch_size so "
                          "that batch_size x dp_shard x dp_replicate stays {old}",
 }
@@ -65,7 +68,11 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
     # With min_lr_ratio=1 the LR stays constant after warmup: there is no decay end for a resume to keep
     # (and optim.decay_steps is refused then), so extending such a run changes nothing it could compare.
     decay_end = {"optim.decay_steps": cfg.optim.decay_end(cfg.steps)} if cfg.optim.decays else {}
-    return {key: _as_json(get_key(cfg, key)) for key in _AS_CONFIGURED} | decay_end | {
+    # make_vocab_size_divisible_by pads the tokenizer's size: the model's vocabulary is known only once the
+    # data is (model.valid_vocab_size set), and compared then; the key itself is no part of the model.
+    vocabulary_unknown = cfg.make_vocab_size_divisible_by is not None and cfg.model.valid_vocab_size is None
+    keys = [key for key in _AS_CONFIGURED if not (vocabulary_unknown and key == "model.vocab_size")]
+    return {key: _as_json(get_key(cfg, key)) for key in keys} | decay_end | {
         "compute_dtype": compute_dtype,
         "global_batch_size": global_batch,
         # Under CP attention is CP's own, whatever model.efficient_attn says (a no-op there, see validate).

@@ -71,6 +71,16 @@ def check_token_ids(config: dict, tokenizer: Tokenizer, folder: Path) -> None:
                               f"{field.split('_')[0]} token ({tokenizer.path}: {ours})")
 
 
+def check_vocab(config: dict, tokenizer: Tokenizer, folder: Path, padded: bool) -> None:
+    """make_vocab_size_divisible_by (`padded`) pads only a folder of its tokenizer's size: a folder already
+    padded beyond it keeps its own vocabulary, which an export then writes back (config/vocab.py)."""
+    size = config.get("vocab_size")
+    if padded and type(size) is int and size > tokenizer.vocab_size:
+        raise ConfigError(f"{KEY}={folder}: config.json's vocab_size={size} already pads its tokenizer's "
+                          f"{tokenizer.vocab_size} ids ({tokenizer.path}); make_vocab_size_divisible_by pads only a "
+                          "vocabulary of the tokenizer's size: set it to null to keep the folder's")
+
+
 def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:
     """Every tensor the model needs is in the folder with its shape (safetensors headers only): a
     larger tensor would otherwise be cut to the configured size without a word."""
@@ -133,11 +143,18 @@ def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:
     check_supported(config, folder)
     config = _with_defaults(config, folder)
     differ = [f"{field}={config.get(field)!r} vs model.{attr}={getattr(args, attr)!r}"
-              for field, attr in CONFIG_FIELDS.items() if config.get(field) != getattr(args, attr)]
+              for field, attr in CONFIG_FIELDS.items() if not _agrees(config.get(field), attr, args)]
     differ += _rope_scaling_differences(config, args.rope_scaling)
     if differ:
         raise ConfigError(f"{KEY}={folder}: its config.json does not describe the configured model: "
                           f"{'; '.join(differ)}")
+
+
+def _agrees(value: object, attr: str, args: ModelArgs) -> bool:
+    """config.json's value is the model's; a vocabulary the model pads (make_vocab_size_divisible_by, once
+    the tokenizer is known) may be just the tokenizer's ids."""
+    padded_from = args.valid_vocab_size if attr == "vocab_size" else None
+    return value == getattr(args, attr) or padded_from is not None and value == padded_from
 
 
 def _rope_theta(config: dict, folder: Path) -> object:

@@ -14,6 +14,7 @@ import torch
 
 from model.args import ModelArgs
 from model.hf import TIED_HEAD, hf_names
+from model.transformer import VOCAB_PARAMETERS
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
@@ -62,14 +63,19 @@ def _fill_box(reader: HFReader, name: str, parts: tuple[int, ...], box: Box, vie
         start += size
 
 
-def _import_unit(reader: HFReader, unit: FSDPUnit) -> None:
+def _import_unit(reader: HFReader, unit: FSDPUnit, folder_vocab: int) -> None:
+    """`folder_vocab`: the folder's vocabulary rows, the first of the model's (whose further rows, padding,
+    stay as initialized: zero)."""
     local = unit.flat_param.detach()
     boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
     for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
+        name = f"{unit.name}.{param}"
         parts = split.parts or (full_shape(tuple(shape), split, unit.tp.size)[0],)
+        if name in VOCAB_PARAMETERS:
+            parts = (folder_vocab,)
         for box in boxes.get(param, []):
             view = local[box.start : box.start + box.numel].view(box.sizes)
-            _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
+            _fill_box(reader, name, parts, box, view)
 
 
 def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callable[[str], None]) -> None:
@@ -83,7 +89,7 @@ def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callabl
     with torch.no_grad():
         for root in roots:
             for unit in root.units:
-                _import_unit(reader, unit)
+                _import_unit(reader, unit, config["vocab_size"])
     head_from_embedding = tied and TIED_HEAD[0] not in reader.files
     log(f"initialized the weights from {folder}" + (
         " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "

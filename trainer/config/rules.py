@@ -16,7 +16,7 @@ from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
-from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, read_hf_config
+from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
@@ -33,7 +33,7 @@ _NON_NEGATIVE = (
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
-                      "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step")
+                      "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step", "make_vocab_size_divisible_by")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
@@ -81,11 +81,13 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
         resumed = resumed_checkpoint(cfg)
-        tokenizer = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
+        choice = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
         if resumed is None:  # a resume reads its weights from the checkpoint: the folder may be gone
             folder = Path(cfg.checkpoint.init_from_hf)
             check_hf_folder(folder, cfg.model)
-            check_token_ids(read_hf_config(folder), load_tokenizer(tokenizer.path, tokenizer.key), folder)
+            config, tokenizer = read_hf_config(folder), load_tokenizer(choice.path, choice.key)
+            check_token_ids(config, tokenizer, folder)
+            check_vocab(config, tokenizer, folder, padded=cfg.make_vocab_size_divisible_by is not None)
     return dims
 
 
@@ -210,7 +212,9 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     _divisible("model.n_kv_heads", m.n_kv_heads, "model_parallel_size", tp)
     _divisible("ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)",
                cfg.model.ffn_hidden_dim, "model_parallel_size", tp)
-    _divisible("model.vocab_size", m.vocab_size, "model_parallel_size", tp)
+    if cfg.make_vocab_size_divisible_by is None and m.vocab_size % tp:  # the key pads to a multiple of tp
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by model_parallel_size={tp}: pad it "
+                          "(make_vocab_size_divisible_by, or a larger model.vocab_size)")
     if m.sequence_parallel:
         _divisible("seq_len", cfg.seq_len, "model_parallel_size (model.sequence_parallel=true)", tp)
     if cfg.context_parallel_size > 1:

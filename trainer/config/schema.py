@@ -30,9 +30,10 @@ class ModelConfig(ModelArgs):
     fp8_all_gather: bool = False
 
 
-# Fields set from other keys, never given: a config written by an earlier run holds them, and they are
-# derived again as it is read.
-DERIVED = ("model.max_seq_len",)
+# Fields set from other keys (max_seq_len from seq_len) or from the run's tokenizer (valid_vocab_size, as
+# the data is prepared), never given: a config written by an earlier run holds them, and they are derived
+# again as it is read.
+DERIVED = ("model.max_seq_len", "model.valid_vocab_size")
 
 
 @dataclass
@@ -105,6 +106,7 @@ class TrainConfig:
     batch_size: int = 4
     microbatch_size: int = 1
     seq_len: int = 128
+    make_vocab_size_divisible_by: int | None = None
     model_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1

@@ -8,6 +8,7 @@ from typing import NamedTuple
 from parallel import comm
 from parallel.errors import ConfigError
 from trainer.config.schema import TrainConfig
+from trainer.config.vocab import vocab_padding
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
@@ -31,7 +32,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, choice.path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=same_data_on_every_rank,
-        tokenizer_key=choice.key,
+        tokenizer_key=choice.key, padding=vocab_padding(cfg),
     )
     global_batch = cfg.batch_size * dp_size
     tokens.num_sequences(cfg.seq_len)  # refuses data shorter than one sequence in a line naming seq_len

@@ -41,9 +41,10 @@ class CachePaths:
 
 
 def cache_key(sources: str, vocab_size: int, tokenizer: Tokenizer | None) -> str:
-    # A given tokenizer is keyed by content, so replacing the file at the same path rebuilds.
+    # A given tokenizer is keyed by content, so replacing the file at the same path rebuilds; and by its own
+    # size, not model.vocab_size's: a padded model packs the same tokens.
     recipe = tokenizer.sha256 if tokenizer else trainer_settings_fingerprint()
-    parts = [CACHE_VERSION, sources, vocab_size, recipe]
+    parts = [CACHE_VERSION, sources, tokenizer.vocab_size if tokenizer else vocab_size, recipe]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

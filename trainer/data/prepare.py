@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel.errors import ConfigError
+from trainer.config.vocab import VocabPadding
 from trainer.data.cache import CachePaths, cache_key, wait_for_main_rank, write_error_marker
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
@@ -29,6 +30,7 @@ def prepare_dataset(
     timeout_s: float = 3600,
     agree: Callable[[str], None] = lambda key: None,
     tokenizer_key: str = "data.tokenizer",
+    padding: VocabPadding | None = None,
 ) -> tuple[Tokenizer, PackedTokens]:
     """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
 
@@ -37,11 +39,13 @@ def prepare_dataset(
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
     main rank's heartbeat did not change. `tokenizer_key` names where `tokenizer_path` came from.
+    `vocab_size` is model.vocab_size: the size of a tokenizer trained here, and at least a given one's
+    (`padding`: make_vocab_size_divisible_by's rule, trainer/config/vocab.py).
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
     files, left_out, links = list_source(source)
-    given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key)
+    given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding)
     sources = sources_fingerprint(files)
     key = cache_key(sources, vocab_size, given)
     agree(key)

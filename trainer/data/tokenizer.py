@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from parallel.errors import ConfigError
+from trainer.config.vocab import VocabPadding, model_vocab_size
 from trainer.data.tokenizer_hf import CONFIG_FILE as HF_CONFIG_FILE
 from trainer.data.tokenizer_hf import JSON_FILE, HuggingFaceTokenizer
 from trainer.data.tokenizer_spm import SentencePieceTokenizer
@@ -78,17 +79,16 @@ def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Tokenizer:
         raise ConfigError(f"{where} is none of the formats this trainer reads ({FORMATS})") from None
 
 
-def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int,
-                         key: str = "data.tokenizer") -> Tokenizer | None:
-    """The tokenizer of `tokenizer_path` (None: none given), checked for what packing and the model need."""
+def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int, key: str = "data.tokenizer",
+                         padding: VocabPadding | None = None) -> Tokenizer | None:
+    """The tokenizer of `tokenizer_path` (None: none given), checked for what packing and the model need:
+    model.vocab_size (`vocab_size`) has a row for each of its ids, or pads them as `padding` says."""
     if tokenizer_path is None:
         return None
     tokenizer = load_tokenizer(tokenizer_path, key)
     if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
         raise ConfigError(f"{key}={tokenizer.path} has no bos/eos tokens; packing needs both")
-    if tokenizer.vocab_size != vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab_size} does not match {key}={tokenizer.path} "
-                          f"(vocab size {tokenizer.vocab_size})")
+    model_vocab_size(vocab_size, tokenizer.vocab_size, padding, f"{key}={tokenizer.path}")
     return tokenizer
 
 

@@ -1,7 +1,9 @@
 """Initialization draws per tile: every layout reassembles the same full weights, bitwise, a shard built
-from its boxes alone equals the shard of the TP-local values, and a rank of a large model draws about
-its own share (TP slice and FSDP shard), never the unsliced parameters."""
+from its boxes alone equals the shard of the TP-local values, a padded vocabulary starts its padding at
+zero and its other weights as the unpadded model's, and a rank of a large model draws about its own
+share (TP slice and FSDP shard), never the unsliced parameters."""
 
+import dataclasses
 import time
 
 import torch
@@ -9,7 +11,7 @@ from omegaconf import OmegaConf
 
 import model.init as init
 from model.args import ModelArgs
-from model.transformer import Transformer
+from model.transformer import VOCAB_PARAMETERS, Transformer
 from parallel.fsdp.flat_param import FlatParamSpec, flatten, shard_of
 from parallel.fsdp.state_dict import TPSplit, boxed_parameters, fill_shard
 from parallel.tensor_parallel import TPContext
@@ -21,24 +23,24 @@ from trainer.parallelize import fsdp_unit_names
 ARGS = ModelArgs(n_layers=1, dim=256, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=64, max_seq_len=8)
 
 
-def reassembled(tp: int, dp: int) -> dict[str, torch.Tensor]:
+def reassembled(tp: int, dp: int, args: ModelArgs = ARGS) -> dict[str, torch.Tensor]:
     """Full weights rebuilt from every (TP rank, shard rank)'s initialized flat shard."""
     full: dict[str, torch.Tensor] = {}
     for tp_rank in range(tp):
         ctx = TPContext(size=tp, rank=tp_rank)
         with torch.device("meta"):
-            model = Transformer(ARGS, ctx)
+            model = Transformer(args, ctx)
         for unit in fsdp_unit_names(model):
             module = model.get_submodule(unit)
             named = list(module.named_parameters())
             spec = FlatParamSpec.of_module(module, dp)
-            values = [init.local_init_value(f"{unit}.{n}", p, ARGS, 9, ctx) for n, p in named]
+            values = [init.local_init_value(f"{unit}.{n}", p, args, 9, ctx) for n, p in named]
             splits = tuple(TPSplit(getattr(p, "tp_dim", None), getattr(p, "tp_parts", None)) for _, p in named)
             flat = flatten(values, spec)
             for shard_rank in range(dp):
                 shard = shard_of(flat, spec, shard_rank)
                 drawn_alone = fill_shard(torch.zeros(spec.shard_size), spec, shard_rank, splits, tp_rank, tp,
-                                         lambda n, *box: init.init_box(f"{unit}.{n}", *box, ARGS, 9))
+                                         lambda n, *box: init.init_box(f"{unit}.{n}", *box, args, 9))
                 assert torch.equal(drawn_alone, shard), (tp, dp, unit, shard_rank)
                 for name, boxed in boxed_parameters(unit, spec, splits, shard_rank, tp_rank, tp, shard).items():
                     target = full.setdefault(name, torch.full(boxed.shape, float("nan")))
@@ -55,6 +57,21 @@ def test_every_layout_reassembles_the_same_full_weights():
         assert got.keys() == reference.keys()
         for name, tensor in reference.items():
             assert torch.equal(got[name], tensor), (tp, dp, name)
+
+
+def test_a_padded_vocabulary_starts_its_padding_at_zero_and_the_rest_as_the_unpadded_model():
+    """600 ids (the last tile cut at 600 rows, as unpadded) in 1024 rows: over tp=4 rank 2 holds both, rank
+    3 padding only; FSDP shards cut through them too. Every layout gives the same full weights."""
+    small = dataclasses.replace(ARGS, dim=64)
+    unpadded = reassembled(1, 1, dataclasses.replace(small, vocab_size=600))
+    padded = dataclasses.replace(small, vocab_size=1024, valid_vocab_size=600)
+    for tp, dp in [(1, 1), (4, 2)]:
+        got = reassembled(tp, dp, padded)
+        for name, tensor in unpadded.items():
+            if name in VOCAB_PARAMETERS:
+                assert torch.equal(got[name][:600], tensor) and not got[name][600:].any(), (tp, dp, name)
+            else:
+                assert torch.equal(got[name], tensor), (tp, dp, name)
 
 
 def test_tiles_are_a_truncated_normal_of_the_configured_std():

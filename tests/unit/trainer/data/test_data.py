@@ -249,8 +249,9 @@ def test_ranks_that_see_other_files_stop_before_any_waiting(corpus: Path, tmp_pa
 
 
 def test_given_tokenizer_is_checked(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=rf"model.vocab_size=512 .*data.tokenizer=.*\(vocab size {VOCAB}\)"):
-        prepare_dataset(str(corpus), tokenizer.path, 512, tmp_path, True, print)
+    with pytest.raises(ConfigError, match=rf"^model.vocab_size=300 is below the tokenizer's vocabulary size {VOCAB} "
+                                          rf"\(data.tokenizer={tokenizer.path}\): "):
+        prepare_dataset(str(corpus), tokenizer.path, 300, tmp_path, True, print)
     with pytest.raises(ConfigError, match=r"data.tokenizer=/no/spm.model does not exist"):
         prepare_dataset(str(corpus), "/no/spm.model", VOCAB, tmp_path, True, print)
     with pytest.raises(ConfigError, match=rf"^data.tokenizer={tmp_path} is a folder without tokenizer.json or "
@@ -259,6 +260,9 @@ def test_given_tokenizer_is_checked(corpus: Path, tokenizer: SentencePieceTokeni
     tok, tokens = prepare_dataset(str(corpus), tokenizer.path, VOCAB, tmp_path, True, lambda line: None)
     assert tok.path == tokenizer.path and tokens.meta["tokenizer_sha256"]
     assert not list(tmp_path.glob("tokenizer-*"))  # a given tokenizer is not retrained
+    # More rows than ids (a padded vocabulary) pack the same tokens, from the same cache.
+    _, padded = prepare_dataset(str(corpus), tokenizer.path, 512, tmp_path, True, lambda line: None)
+    assert padded.path == tokens.path
 
 
 def test_tokens_packed_with_another_tokenizer_are_refused(corpus: Path, tokenizer: SentencePieceTokenizer, tmp_path: Path) -> None:

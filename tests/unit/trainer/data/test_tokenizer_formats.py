@@ -116,8 +116,8 @@ def test_packing_with_a_given_tokenizer_writes_bos_document_eos(folders, kind, t
     assert tok.sha256 == tokenizer.sha256 == tokens.meta["tokenizer_sha256"]
     packed = tokens.sequence(0, tokens.num_tokens - 1).tolist()
     assert packed == [tokenizer.bos_id, *tokenizer.encode(TEXT), tokenizer.eos_id]
-    with pytest.raises(ConfigError, match=rf"^model.vocab_size=7 does not match data.tokenizer=.* \(vocab size "
-                                          rf"{tokenizer.vocab_size}\)$"):
+    with pytest.raises(ConfigError, match=rf"^model.vocab_size=7 is below the tokenizer's vocabulary size "
+                                          rf"{tokenizer.vocab_size} \(data.tokenizer=.*\): "):
         prepare_dataset(str(source), str(folders[kind]), 7, tmp_path / "cache", True, lambda line: None)
 
 
