@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from model.args import ModelArgs
-from model.hf import TIED_HEAD, hf_names
+from model.hf import hf_names
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
+from parallel.fsdp.tied import aliases
 from parallel.fsdp.unit import FSDPUnit
 from trainer.checkpoint.hf_folder import (KEY, check_architecture, context_note, open_safetensors, read_hf_config,
                                           tensor_files)
@@ -25,13 +26,11 @@ from trainer.checkpoint.hf_folder import (KEY, check_architecture, context_note,
 class _Reader:
     """Slices of HF tensors, each file opened once."""
 
-    def __init__(self, folder: Path, tied: bool):
-        self.folder, self.files, self.tied = folder, tensor_files(folder), tied
+    def __init__(self, folder: Path):
+        self.folder, self.files = folder, tensor_files(folder)
         self._open: dict[Path, object] = {}
 
     def slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        if name not in self.files and self.tied and name == TIED_HEAD[0]:
-            name = TIED_HEAD[1]
         if name not in self.files:
             raise ConfigError(f"{KEY}={self.folder}: tensor {name} is missing")
         path = self.files[name]
@@ -55,29 +54,26 @@ def _fill_box(reader: _Reader, name: str, parts: tuple[int, ...], box: Box, view
 def _import_unit(reader: _Reader, unit: FSDPUnit) -> None:
     local = unit.flat_param.detach()
     boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
+    names = aliases(unit)  # a tied head's copy reads the embedding
     for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
         parts = split.parts or (full_shape(tuple(shape), split, unit.tp.size)[0],)
         for box in boxes.get(param, []):
             view = local[box.start : box.start + box.numel].view(box.sizes)
-            _fill_box(reader, f"{unit.name}.{param}", parts, box, view)
+            _fill_box(reader, names.get(param, f"{unit.name}.{param}"), parts, box, view)
 
 
 def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callable[[str], None]) -> None:
     """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh), and log it. A
-    tied model that ships no lm_head (transformers then reads the embedding as the head) starts ours as a
-    copy of the embedding, which trains apart from it from here."""
+    tied folder (tie_word_embeddings) imports only into a tied model (check_architecture), its embedding
+    as the one weight of both."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
-    tied = bool(config.get("tie_word_embeddings", False))
-    reader = _Reader(folder, tied)
+    reader = _Reader(folder)
     with torch.no_grad():
         for root in roots:
             for unit in root.units:
                 _import_unit(reader, unit)
-    head_from_embedding = tied and TIED_HEAD[0] not in reader.files
-    log(f"initialized the weights from {folder}" + (
-        " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
-        "separately from here; an export writes both, untied)" if head_from_embedding else ""))
+    log(f"initialized the weights from {folder}")
     note = context_note(config, args, folder)
     if note:
         log(note)
