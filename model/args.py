@@ -36,6 +36,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False  # the output projection is the embedding's weight (Llama 3.2 1B and 3B)
     max_seq_len: int = 128
     efficient_attn: str = "sdpa"
     use_fp8: bool = False

@@ -3,7 +3,8 @@
 Our RoPE is rotate-half and our RMSNorm is HF's, so weights map by name alone: a fused parameter
 (q/k/v, gate/up) is its HF parts stacked along dim 0, in part order; nothing is permuted or reshaped.
 Export (scripts/export_hf.py), import (checkpoint.init_from_hf) and generation (scripts/generate.py)
-go through this mapping.
+go through this mapping. A tied model (model.tie_embeddings) has no head.output.weight, so, as
+transformers saves a tied Llama, no lm_head.weight: its head is the embedding.
 """
 
 import dataclasses
@@ -32,8 +33,8 @@ CONFIG_FIELDS = {
     "hidden_size": "dim", "intermediate_size": "ffn_hidden_dim", "num_hidden_layers": "n_layers",
     "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
     "vocab_size": "vocab_size", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+    "tie_word_embeddings": "tie_embeddings",
 }
-TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")  # what a tied model ships instead of its head
 
 
 def hf_names(name: str) -> tuple[str, ...]:
@@ -94,7 +95,6 @@ def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_po
         "model_type": "llama",
         **{field: getattr(args, attr) for field, attr in CONFIG_FIELDS.items()},
         "max_position_embeddings": args.max_seq_len if max_positions is None else max_positions,
-        "tie_word_embeddings": False,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -22,7 +22,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.fp8 import initial_buffer
-from model.transformer import VOCAB_PARAMETERS
+from model.transformer import TIED_COPY, TIED_WEIGHT, VOCAB_PARAMETERS, weight_name
 from parallel.tensor_parallel import TPContext
 
 _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
@@ -33,9 +33,11 @@ def init_std(name: str, args: ModelArgs) -> float | None:
     """Std of a parameter's normal init; None for norm weights (ones)."""
     if name.endswith("norm.weight"):
         return None
-    if name == "tok_embeddings.weight":
-        return 1.0
-    if name == "head.output.weight":
+    if name == TIED_WEIGHT:
+        # Tied, it is also the output projection: the head's std, so that logits start as the untied head's do
+        # (std 1 would scale them by sqrt(dim)).
+        return args.dim**-0.5 if args.tie_embeddings else 1.0
+    if name == TIED_COPY:  # the untied head's projection (a tied copy is drawn as TIED_WEIGHT: init_region)
         return args.dim**-0.5
     if name.endswith(_OUTPUT_PROJECTIONS):
         return 0.02 / math.sqrt(2 * args.n_layers)
@@ -68,7 +70,9 @@ def _draw_tile(name: str, index: tuple[int, ...], shape: tuple[int, ...], std: f
 
 def init_region(name: str, shape: torch.Size, region: tuple[slice, ...], args: ModelArgs, seed: int) -> torch.Tensor:
     """full_value[region] of parameter `name` (full shape `shape`; `region` slices its first one or two
-    dims), drawing only the tiles the region overlaps."""
+    dims), drawing only the tiles the region overlaps. The tied head's copy draws the embedding's values;
+    a padded vocabulary's rows past the tokenizer's are zero."""
+    name = weight_name(name, args)
     real = _real_rows(name, shape, args)
     if real is not None:
         return _padded_region(name, shape, region, real, args, seed)

@@ -1,4 +1,5 @@
-"""A Llama-3-style decoder: embedding, N pre-norm blocks (GQA attention + SwiGLU), norm + untied head.
+"""A Llama-3-style decoder: embedding, N pre-norm blocks (GQA attention + SwiGLU), norm + head (tied to the
+embedding or not).
 
 Blocks live in a ModuleDict keyed by their global layer index, so a pipeline stage that keeps only
 some blocks still has the same parameter names (and the same initialization) as the full model.
@@ -17,6 +18,17 @@ from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TP
 
 # The parameters whose rows (dim 0) are the vocabulary's: those past args.valid_vocab_size are padding.
 VOCAB_PARAMETERS = ("tok_embeddings.weight", "head.output.weight")
+
+
+# Under model.tie_embeddings: the one weight of the embedding and the output projection, and its copy in a
+# chunk that holds the head but not the embedding (initialized, stored and imported as the weight itself).
+TIED_WEIGHT = "tok_embeddings.weight"
+TIED_COPY = "head.output.weight"
+
+
+def weight_name(name: str, args: ModelArgs) -> str:
+    """The weight a parameter holds: its own name, or for the tied head's copy, the embedding's."""
+    return TIED_WEIGHT if args.tie_embeddings and name == TIED_COPY else name
 
 
 class RMSNorm(nn.Module):
@@ -65,17 +77,23 @@ class TransformerBlock(nn.Module):
 
 
 class OutputHead(nn.Module):
-    """Final norm + untied vocabulary projection: one module so it can be one FSDP unit. The
-    projection is column-parallel over the vocabulary: logits stay vocab-sharded (never gathered)."""
+    """Final norm + vocabulary projection: one module so it can be one FSDP unit. The projection is
+    column-parallel over the vocabulary: logits stay vocab-sharded (never gathered).
 
-    def __init__(self, args: ModelArgs, tp: TPContext):
+    Under model.tie_embeddings the projection is the embedding's weight, which is split over the
+    vocabulary too, so the TP shards coincide. A chunk that also holds the embedding passes its weight in
+    (`reads_embedding`: the head has no projection of its own); a chunk without it (a later pipeline
+    stage) holds a copy (TIED_COPY), kept equal to it by the trainer (parallel/fsdp/tied.py)."""
+
+    def __init__(self, args: ModelArgs, tp: TPContext, reads_embedding: bool = False):
         super().__init__()
         self.tp = tp
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = ColumnParallelLinear(args.dim, args.vocab_size, tp)
+        self.output = None if reads_embedding else ColumnParallelLinear(args.dim, args.vocab_size, tp)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.tp.enter(self.norm(h)))
+    def forward(self, h: torch.Tensor, embedding: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tp.enter(self.norm(h))
+        return nn.functional.linear(x, embedding) if self.output is None else self.output(x)
 
 
 BlockFactory = Callable[[int, ModelArgs, TPContext, CPContext], nn.Module]
@@ -83,7 +101,8 @@ BlockFactory = Callable[[int, ModelArgs, TPContext, CPContext], nn.Module]
 
 class Transformer(nn.Module):
     """The whole model, or one pipeline chunk of it: the blocks `layers` (global indices), with the
-    embedding only on the chunk that starts the model and the head only on the one that ends it."""
+    embedding only on the chunk that starts the model and the head only on the one that ends it. Under
+    model.tie_embeddings a chunk with both has one parameter for the two (the head reads the embedding's)."""
 
     def __init__(
         self, args: ModelArgs, tp: TPContext | None = None, layers: range | None = None,
@@ -100,7 +119,7 @@ class Transformer(nn.Module):
         make_block = blocks or TransformerBlock
         self.layers = nn.ModuleDict({str(i): make_block(i, args, self.tp, self.cp) for i in layers})
         self.block_region = getattr(blocks, "region", nullcontext)
-        self.head = OutputHead(args, self.tp) if head else None
+        self.head = OutputHead(args, self.tp, reads_embedding=embedding and args.tie_embeddings) if head else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +137,9 @@ class Transformer(nn.Module):
         with self.block_region():
             for layer in self.layers.values():
                 h = layer(h, cos, sin, documents)
-        return h if self.head is None else self.head(h)
+        if self.head is None:
+            return h
+        return self.head(h, self.tok_embeddings.weight if self.head.output is None else None)
 
     def _documents(self, ids: torch.Tensor) -> Documents:
         return Documents(ids, None if self.cp.size > 1 else block_causal_mask(ids))

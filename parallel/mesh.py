@@ -82,8 +82,10 @@ class ParallelMesh:
     """The device mesh plus the flattened groups the framework uses, each registered by name."""
 
     def __init__(self, dims: ParallelDims, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.dims, self.timeout_s = dims, timeout_s
+        self.dims, self.device_type, self.timeout_s = dims, device_type, timeout_s
         self._checkpoint_group: ProcessGroup | None = None
+        self._embedding_group: ProcessGroup | None = None
+        self._embedding_groups_made = False
         options = partial(group_options, device_type, timeout_s)  # fresh options per group
         self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS,
                                                  backend_override={name: options() for name in MESH_DIMS})
@@ -114,6 +116,24 @@ class ParallelMesh:
             self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
             comm.register_groups({self._checkpoint_group: "checkpoint"})
         return self._checkpoint_group
+
+    def embedding_group(self) -> ProcessGroup | None:
+        """The first and the last pipeline rank of this rank's (dp, cp, tp) coordinates, which hold the
+        copies of a weight tied across the pipeline (tied embeddings: Megatron's embedding group); None
+        with one stage, and on the stages between. Made on first use, which must be the same call on every
+        rank: every rank takes part in making each group."""
+        if self.dims.pp == 1:
+            return None
+        if not self._embedding_groups_made:
+            ranks = self.mesh.mesh  # global ranks, (pp, dp_replicate, dp_shard, cp, tp)
+            pairs = torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2).tolist()
+            backend, _ = group_options(self.device_type, self.timeout_s)
+            mine, _ = dist.new_subgroups_by_enumeration(pairs, timeout=timedelta(seconds=self.timeout_s),
+                                                        backend=backend)
+            if mine is not None:
+                comm.register_groups({mine: "embedding"})
+            self._embedding_group, self._embedding_groups_made = mine, True
+        return self._embedding_group
 
     def group(self, name: str) -> ProcessGroup:
         if name in self._flat:

@@ -72,17 +72,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int,
-                   init_std: float = 0.02) -> "transformers.LlamaForCausalLM":
-    """A tiny random Llama 3.1 (GQA, an intermediate_size no sizing rule gives, ROPE) saved in `folder`;
-    its weights drawn with std `init_std` (transformers' initializer_range)."""
+def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int, init_std: float = 0.02, rope: dict = ROPE,
+                   tied: bool = False) -> "transformers.LlamaForCausalLM":
+    """A tiny random Llama 3.1 (GQA, an intermediate_size no sizing rule gives, `rope`) saved in `folder`;
+    its weights drawn with std `init_std` (transformers' initializer_range); with `tied`, Llama 3.2-style:
+    the head is the embedding (no lm_head.weight saved)."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(ROPE),
-        max_position_embeddings=128, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(rope),
+        max_position_embeddings=128, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=tied,
         initializer_range=init_std, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()

@@ -9,10 +9,10 @@ import torch
 
 from model.init import ModelInitializer
 from model.te import TEBlocks
-from model.transformer import BlockFactory, Transformer
+from model.transformer import TIED_COPY, TIED_WEIGHT, BlockFactory, OutputHead, Transformer
 from parallel.activation_checkpoint import checkpoint_forward
 from parallel.context_parallel import CPContext
-from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
+from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import chunk_layers, schedule_actions
@@ -81,6 +81,21 @@ def cp_context(cfg: TrainConfig, mesh: ParallelMesh) -> CPContext:
     return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm)
 
 
+def tied_embedding(model: Transformer) -> dict:
+    """fully_shard's keys for model.tie_embeddings. A chunk with both the embedding and the head holds the
+    weight once: the embedding's unit is gathered for the whole chunk's forward and backward, as the head
+    reads it too. A chunk with only one of them holds a copy (parallel/fsdp/tied.py); the embedding's unit
+    is padded to the head unit's size, so that the two copies' shards hold the same rows."""
+    embedding, head = model.tok_embeddings is not None, model.head is not None
+    if not model.args.tie_embeddings or not (embedding or head):
+        return {}
+    if embedding and head:
+        return {"spans": {"tok_embeddings": ""}}
+    with torch.device("meta"):
+        head_numel = sum(p.numel() for p in OutputHead(model.args, model.tp).parameters())
+    return {"tied": TiedCopy(TIED_WEIGHT if embedding else TIED_COPY, TIED_WEIGHT, head_numel)}
+
+
 def parallelize(
     model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
 ) -> FSDPRoot:
@@ -100,7 +115,7 @@ def parallelize(
     replicate = mesh.group("dp_replicate") if mesh.dims.dp_replicate > 1 else None
     tp = TPGroups(mesh.group("tp"), cfg.model.sequence_parallel)
     return fully_shard(model, fsdp_unit_names(model), mesh.group("dp_shard_cp"), replicate, fsdp_cfg, tp,
-                       ModelInitializer(cfg.model, cfg.seed, device))
+                       ModelInitializer(cfg.model, cfg.seed, device), **tied_embedding(model))
 
 
 def build_runtime(

@@ -17,10 +17,11 @@ from functools import cached_property
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, note_set_scales, update_scaling
 from parallel import comm
-from parallel.fsdp import FSDPRoot, grad_norm, unit_norms
+from parallel.fsdp import FSDPRoot, grad_norm, sum_tied_grads, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
@@ -57,6 +58,7 @@ class StepRunner:
     flops_per_token: float
     peak_flops: float | None
     eval_loader: BatchLoader | None = None  # held-out batches (eval.freq > 0)
+    tied_group: ProcessGroup | None = None  # the ranks holding this rank's tied embedding's other copy
     _fp8_scaling_started: bool = field(default=False, init=False)
 
     @classmethod
@@ -70,7 +72,8 @@ class StepRunner:
         return cls(cfg, mesh, chunks, roots, build_runtime(cfg, mesh, chunks, roots, dtype, device),
                    NamedAdamW(chunks, cfg.optim), loader, device,
                    flops_per_token=training_flops_per_token(cfg.model, cfg.seq_len),
-                   peak_flops=device_peak_flops(device), eval_loader=eval_loader)
+                   peak_flops=device_peak_flops(device), eval_loader=eval_loader,
+                   tied_group=mesh.embedding_group() if cfg.model.tie_embeddings else None)
 
     @cached_property
     def fp8_gemms(self) -> list[Fp8Gemm]:
@@ -117,6 +120,8 @@ class StepRunner:
         comm.set_phase("gradient sync, norm and optimizer step")
         for root in self.roots:
             root.finish_gradient_sync()
+        # The tied embedding's copies on the first and last stages take one update (Megatron's embedding all-reduce).
+        sum_tied_grads(self.roots, self.tied_group)
         norm = grad_norm(self.roots, [self.mesh.group("pp_dp_shard_cp_tp")])
         per_unit = unit_norms(self.roots, model_unit_names(self.cfg.model.n_layers),
                               self.mesh.group("pp_dp_shard_cp_tp")) if self.cfg.metrics.unit_norms else None

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from parallel import comm
+from parallel.fsdp import tied_copies_equal
 from parallel.launch_env import LaunchEnv
 from parallel.mesh import ParallelMesh
 from parallel.random import RNGStreams
@@ -170,6 +171,7 @@ class Trainer:
         start = time.perf_counter()
         if not weights_finite(self.runner.roots, comm.world()):
             raise FloatingPointError(f"step {step}: the weights are not finite; no checkpoint written")
+        self._check_tied_copies(step)
         if self.background is not None and in_background:
             self.background.save(step, self.state_dict(step))
             self.log(f"saving checkpoint of step {step} in the background (the step loop stalled "
@@ -180,6 +182,15 @@ class Trainer:
         if self.rank == 0:
             prune_checkpoints(self.checkpoints, self.cfg.checkpoint.keep)
         self.log(f"saved checkpoint {path} (the step loop stalled {time.perf_counter() - start:.3f} s)")
+
+    def _check_tied_copies(self, step: int) -> None:
+        """The tied embedding's copies on the first and last pipeline stages are bitwise equal: a checkpoint
+        stores one of them, as the weight of both."""
+        if not (self.cfg.model.tie_embeddings and self.mesh.dims.pp > 1):
+            return
+        if not tied_copies_equal(self.runner.roots, self.runner.tied_group, comm.world()):
+            raise RuntimeError(f"step {step}: the copies of the tied embedding (model.tie_embeddings) on the first "
+                               f"and last pipeline stages differ; no checkpoint written")
 
     def _write_run_files(self) -> None:
         """Rank 0, as training starts: the resolved config, the layout, the fingerprint and the job that

@@ -1,8 +1,8 @@
 """Flat parameters: a unit's parameters concatenated into one 1-D tensor, padded, sharded evenly.
 
-The layout depends only on the unit's parameter names and shapes (registration order) and the
-shard-group size, so any rank, and any offline tool, can rebuild it. Rank r owns elements
-[r * shard_size, (r + 1) * shard_size) of the padded flat tensor; the padding is the tail.
+The layout depends only on the unit's parameter names and shapes (registration order, a tied copy
+first), its padding and the shard-group size, so any rank, and any offline tool, can rebuild it. Rank r
+owns elements [r * shard_size, (r + 1) * shard_size) of the padded flat tensor; the padding is the tail.
 """
 
 from dataclasses import dataclass
@@ -15,6 +15,7 @@ class FlatParamSpec:
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     world: int
+    min_numel: int = 0  # padded to at least this many elements: units holding copies of one weight align (tied.py)
 
     @property
     def numels(self) -> tuple[int, ...]:
@@ -26,17 +27,18 @@ class FlatParamSpec:
 
     @property
     def shard_size(self) -> int:
-        return -(-self.total // self.world)
+        return -(-max(self.total, self.min_numel) // self.world)
 
     @property
     def padded(self) -> int:
         return self.shard_size * self.world
 
     @classmethod
-    def of_module(cls, module: torch.nn.Module, world: int) -> "FlatParamSpec":
-        """The layout of a module's parameters in registration order."""
-        named = list(module.named_parameters())
-        return cls(tuple(n for n, _ in named), tuple(p.shape for _, p in named), world)
+    def of_module(cls, module: torch.nn.Module, world: int, first: str | None = None,
+                  min_numel: int = 0) -> "FlatParamSpec":
+        """The layout of a module's parameters in registration order, but `first` (a tied copy) first."""
+        named = sorted(module.named_parameters(), key=lambda item: item[0] != first)  # stable: the rest keep order
+        return cls(tuple(n for n, _ in named), tuple(p.shape for _, p in named), world, min_numel)
 
     def valid_in_shard(self, rank: int) -> int:
         """How many of rank's shard elements are real (not padding)."""

@@ -61,9 +61,11 @@ class _EndOfBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def register_hooks(unit: FSDPUnit, root: FSDPRoot) -> None:
-    unit.module.register_forward_pre_hook(partial(pre_forward, unit, root))
-    unit.module.register_forward_hook(partial(post_forward, unit, root))
+def register_hooks(unit: FSDPUnit, root: FSDPRoot, span: nn.Module) -> None:
+    """On `span`, the module whose forward spans every use of the unit's parameters: the unit's own, or
+    an enclosing one where another module reads them too (a tied output head)."""
+    span.register_forward_pre_hook(partial(pre_forward, unit, root))
+    span.register_forward_hook(partial(post_forward, unit, root))
 
 
 def in_backward() -> bool:

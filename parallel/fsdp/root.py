@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from parallel.fsdp.reductions import ReductionQueue
 from parallel.fsdp.hooks import register_hooks
+from parallel.fsdp.tied import TiedCopy
 from parallel.fsdp.unit import FSDPConfig, FSDPUnit, Initializer, TPGroups, UnitState
 
 
@@ -77,21 +78,27 @@ def _refuse_unreduced_gradients(unit: FSDPUnit) -> None:
 
 def fully_shard(
     model: nn.Module, unit_names: list[str], shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-    cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None,
+    cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None, tied: TiedCopy | None = None,
+    spans: dict[str, str] | None = None,
 ) -> FSDPRoot:
     """Turn each named submodule (forward order) into an FSDP unit; every parameter must be in one.
     Parameters are the TP-local ones; those marked `tp_dim=None` (or unmarked) are TP-replicated.
     For a model built on the meta device, `init` gives the initial value of the boxes each rank's shard
-    holds, unit by unit (see FSDPUnit)."""
+    holds, unit by unit (see FSDPUnit). `tied`: the model's copy of a weight other chunks hold copies of
+    too (tied.py). `spans`: {unit: the submodule ("" the model) whose forward spans every use of the
+    unit's parameters}, for a unit whose weight another module reads as well (a tied output head): the
+    unit is gathered from the start of that forward to its end, and again for its whole backward."""
     _refuse_parameters_shared_between_units(model, unit_names)
-    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp, init)
+    spans = spans or {}
+    units = [FSDPUnit(name, model.get_submodule(name), shard_group, replicate_group, cfg, tp, init,
+                      tied if tied is not None and tied.param.startswith(f"{name}.") else None)
              for name in unit_names]
     stray = [n for n, _ in model.named_parameters() if not n.endswith("flat_param")]
     if stray:
         raise ValueError(f"parameters outside every FSDP unit: {', '.join(stray)}")
     root = FSDPRoot(units, shard_group, cfg.reductions_in_flight)
     for unit in units:
-        register_hooks(unit, root)
+        register_hooks(unit, root, model.get_submodule(spans.get(unit.name, unit.name)))
     return root
 
 

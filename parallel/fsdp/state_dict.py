@@ -180,15 +180,19 @@ class BoxedParameter(torch.Tensor):
 
 
 def boxed_parameters(name: str, spec: FlatParamSpec, splits: tuple[TPSplit, ...], shard_rank: int, tp_rank: int,
-                     tp_size: int, local: torch.Tensor) -> dict[str, BoxedParameter]:
+                     tp_size: int, local: torch.Tensor,
+                     aliases: dict[str, str] | None = None) -> dict[str, BoxedParameter]:
     """{full parameter name: its boxes in `local`} for a unit called `name`; `local` is the rank's shard
     of the flat parameter or a tensor shaped like it (an Adam moment). TP-replicated parameters are
-    written by TP rank 0 only (the other TP ranks hold the same values, in differently cut boxes)."""
+    written by TP rank 0 only (the other TP ranks hold the same values, in differently cut boxes).
+    `aliases`: {parameter: the name it goes under instead}, for a tied weight's copy (tied.py): loaded
+    from that weight, never written (the weight's own holder writes it)."""
     boxes = shard_boxes(spec, shard_rank, splits, tp_rank, tp_size)
+    aliases = aliases or {}
     out = {}
     for param, split, shape in zip(spec.names, splits, spec.shapes):
         if param in boxes:
             size = full_shape(tuple(shape), split, tp_size)
-            out[f"{name}.{param}"] = BoxedParameter(size, local.detach(), boxes[param],
-                                                   writes=split.dim is not None or tp_rank == 0)
+            writes = (split.dim is not None or tp_rank == 0) and param not in aliases
+            out[aliases.get(param, f"{name}.{param}")] = BoxedParameter(size, local.detach(), boxes[param], writes)
     return out

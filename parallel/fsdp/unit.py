@@ -31,6 +31,7 @@ from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
 from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
 from parallel.fsdp.hooks import BackwardTicket
 from parallel.fsdp.state_dict import TPSplit, fill_shard
+from parallel.fsdp.tied import TiedCopy
 
 
 class Initializer(Protocol):
@@ -91,15 +92,17 @@ class MicrobatchAware(Protocol):
 class FSDPUnit:
     def __init__(
         self, name: str, module: nn.Module, shard_group: ProcessGroup, replicate_group: ProcessGroup | None,
-        cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None,
+        cfg: FSDPConfig, tp: TPGroups | None = None, init: Initializer | None = None, tied: TiedCopy | None = None,
     ):
         """`name` is the module's path in the model. A module built on the meta device gets its values from
-        `init`: each rank builds only its own shard, asking for the boxes of the full parameters it holds."""
-        self.name, self.module, self.cfg = name, module, cfg
+        `init`: each rank builds only its own shard, asking for the boxes of the full parameters it holds.
+        `tied`: a copy of a tied weight among the module's parameters (tied.py)."""
+        self.name, self.module, self.cfg, self.tied = name, module, cfg, tied
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.tp = tp or TPGroups()
         self.rank = shard_group.rank()
-        self.spec = FlatParamSpec.of_module(module, shard_group.size())
+        first, min_numel = (tied.param.removeprefix(f"{name}."), tied.unit_numel) if tied else (None, 0)
+        self.spec = FlatParamSpec.of_module(module, shard_group.size(), first, min_numel)
         self.param_offsets = self.spec.offsets()
         owners = _trainable_owners(name, module, self.spec)
         params = [getattr(sub, attr) for sub, attr in owners]
@@ -154,12 +157,15 @@ class FSDPUnit:
         return self._full
 
     def _norm_mask(self) -> torch.Tensor | None:
-        """Which of this rank's shard elements count toward the global grad norm: TP-replicated
-        parameters are counted on TP rank 0 only. None means all of them."""
-        if self.tp.rank == 0 or not self.tp_replicated:
+        """Which of this rank's shard elements count toward norms: TP-replicated parameters on TP rank 0 only,
+        and a tied copy nowhere (the copy named as its weight counts). None means all of them."""
+        skipped = self.tp_replicated if self.tp.rank else []
+        if self.tied is not None and not self.tied.counted:
+            skipped = [*skipped, (0, self.spec.numels[0])]  # the copy is first in the flat parameter
+        if not skipped:
             return None
         mask = torch.ones(self.spec.padded, device=self.flat_param.device)
-        for offset, numel in self.tp_replicated:
+        for offset, numel in skipped:
             mask[offset : offset + numel] = 0.0
         size = self.spec.shard_size
         return mask[self.rank * size : (self.rank + 1) * size]

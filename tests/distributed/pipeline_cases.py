@@ -10,6 +10,8 @@ import torch
 
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.schedule import downstream, upstream
+from parallel.random import RNGStreams
+from trainer.checkpoint.state import checkpoint_state
 from trainer.config.rules import validate
 from trainer.config.schema import TrainConfig, from_dict
 from trainer.observability.metrics import StepMetrics
@@ -39,6 +41,22 @@ class SyntheticLoader:
         mine = tokens[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         size = self.microbatch_size
         return [(mine[i : i + size, :-1], mine[i : i + size, 1:]) for i in range(0, per_rank, size)]
+
+
+class FixedSampler:
+    """What checkpoint_state needs of a sampler, for SyntheticLoader's fixed batches."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_batch_size": 8}
+
+    def check_resumable(self, saved: dict[str, int]) -> None:
+        assert saved["global_batch_size"] == self.state_dict()["global_batch_size"], saved
+
+
+def checkpoint_state_of(trainer: StepRunner, rank: int, step: int) -> dict:
+    """The trainer's checkpoint state, as the Trainer gives it."""
+    rng = RNGStreams(0, trainer.chunks[0].tp.rank, torch.device("cpu"))
+    return checkpoint_state(trainer.roots, trainer.optimizer, rng, FixedSampler(), step, rank, trainer.mesh.dims)
 
 
 def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> StepRunner:

@@ -15,10 +15,12 @@ import torch
 from model.args import ModelArgs
 from model.te import TEBlocks
 from parallel.random import RNGStreams
-from tests.distributed.pipeline_cases import assert_matches, config, make_trainer, reference_of, train
+from tests.distributed.pipeline_cases import (
+    FixedSampler, assert_matches, checkpoint_state_of, config, make_trainer, reference_of, train,
+)
 from tests.distributed.spawn import run_ranks
 from trainer.checkpoint.files import save_checkpoint
-from trainer.checkpoint.state import checkpoint_state, load_into
+from trainer.checkpoint.state import load_into
 from trainer.config.schema import TrainConfig
 from trainer.observability.metrics import StepMetrics
 from trainer.step import StepRunner
@@ -45,21 +47,6 @@ def _te_metrics(cfg: TrainConfig, world: int) -> list[StepMetrics]:
     return [trainer.train_step(step) for step in range(1, cfg.steps + 1)]
 
 
-class _FixedSampler:
-    """What checkpoint_state needs of a sampler, for SyntheticLoader's fixed batches."""
-
-    def state_dict(self) -> dict[str, int]:
-        return {"global_batch_size": 8}
-
-    def check_resumable(self, saved: dict[str, int]) -> None:
-        assert saved["global_batch_size"] == self.state_dict()["global_batch_size"], saved
-
-
-def _state(trainer: StepRunner, rank: int, step: int) -> dict:
-    rng = RNGStreams(0, trainer.chunks[0].tp.rank, torch.device("cpu"))
-    return checkpoint_state(trainer.roots, trainer.optimizer, rng, _FixedSampler(), step, rank, trainer.mesh.dims)
-
-
 def _te_scaling(trainer: StepRunner) -> dict[str, torch.Tensor]:
     return {f"{i}.{name}": t.clone() for i, block in enumerate(b for c in trainer.chunks for b in c.layers.values())
             for name, t in block.scaling_state().items()}
@@ -73,15 +60,16 @@ def _check_fp8_resume(rank: int, world: int, root: str) -> None:
     straight = _te_trainer(cfg, world)
     for step in range(1, 4):
         straight.train_step(step)
-    saved = save_checkpoint(Path(root), 3, _state(straight, rank, 3), torch.distributed.group.WORLD, rank, {})
+    world_group = torch.distributed.group.WORLD
+    saved = save_checkpoint(Path(root), 3, checkpoint_state_of(straight, rank, 3), world_group, rank, {})
     at_step_3 = _te_scaling(straight)
     assert len(at_step_3) == 8 * 4 * 4 and all(t.dtype == torch.float32 for t in at_step_3.values())
     assert all((t != 1).any() for name, t in at_step_3.items() if name.endswith("scaling_fwd.scale")), at_step_3
     want = [straight.train_step(step).loss for step in range(4, 7)]
 
     resumed = _te_trainer(cfg, world)
-    assert load_into(saved, _state(resumed, rank, 0), RNGStreams(0, 0, torch.device("cpu")), _FixedSampler(),
-                     torch.distributed.group.WORLD) == 3
+    rng = RNGStreams(0, 0, torch.device("cpu"))
+    assert load_into(saved, checkpoint_state_of(resumed, rank, 0), rng, FixedSampler(), world_group) == 3
     for name, t in _te_scaling(resumed).items():
         assert torch.equal(t, at_step_3[name]), name
     got = [resumed.train_step(step).loss for step in range(4, 7)]

@@ -152,21 +152,31 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
         (tmp_path / name / "model.safetensors").unlink()
         (tmp_path / name / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         cases[name] = "model.safetensors.index.json's weight_map is not an object of tensor name: file name"
+    tied = dataclasses.replace(args, tie_embeddings=True)
+    tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding is the head
+    cases["tied"] = "tie_word_embeddings=True vs model.tie_embeddings=False"
+    tiny_llama(tmp_path / "tied_with_head", tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "tied_with_head" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, tmp_path / "tied_with_head" / "model.safetensors", metadata={"format": "pt"})
+    cases["tied_with_head"] = "tie_word_embeddings=true, but it ships lm_head.weight too"
     for name, fragment in cases.items():
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")) as e:
-            check_hf_folder(tmp_path / name, args)
+            check_hf_folder(tmp_path / name, tied if name == "tied_with_head" else args)
         assert "checkpoint.init_from_hf=" in str(e.value) and "\n" not in str(e.value)
-    tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding stands in
-    check_hf_folder(tmp_path / "tied", args)
+    tiny_llama(tmp_path / "untied")
+    with pytest.raises(ConfigError, match="tie_word_embeddings=False vs model.tie_embeddings=True"):
+        check_hf_folder(tmp_path / "untied", tied)
+    check_hf_folder(tmp_path / "tied", tied)
     # What transformers computes the same way imports: default RoPE named explicitly, "swish" for silu.
     config = json.loads((tmp_path / "tied" / "config.json").read_text())
     (tmp_path / "tied" / "config.json").write_text(json.dumps(
         config | {"rope_scaling": {"rope_type": "default"}, "hidden_act": "swish"}))
-    check_hf_folder(tmp_path / "tied", args)
+    check_hf_folder(tmp_path / "tied", tied)
     assert args.rope_theta == 10000.0  # transformers' default: a config.json may leave it out
     (tmp_path / "tied" / "config.json").write_text(json.dumps(
         {k: v for k, v in config.items() if k not in ("rope_theta", "rope_parameters")}))
-    check_hf_folder(tmp_path / "tied", args)
+    check_hf_folder(tmp_path / "tied", tied)
 
 
 def test_validate_refuses_another_tokenizer_when_starting_from_the_folder_only(tmp_path):

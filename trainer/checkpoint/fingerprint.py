@@ -18,7 +18,8 @@ from trainer.outputs import FINGERPRINT_FILE
 
 ARCHITECTURE = tuple(
     f"model.{k}" for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier",
-                           "multiple_of", "intermediate_size", "norm_eps", "rope_theta", "rope_scaling", "attn_bias_type")
+                           "multiple_of", "intermediate_size", "norm_eps", "rope_theta", "rope_scaling",
+                           "tie_embeddings", "attn_bias_type")
 )
 SCHEDULE = tuple(
     f"optim.{k}" for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay_style",
@@ -36,7 +37,7 @@ _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8
 # defaults; no held-out split).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (
     *FP8, *KERNELS, "model.fp8_amax_history_len", "model.rope_scaling", "model.intermediate_size", "optim.decay_style",
-    "optim.decay_start")} | {
+    "optim.decay_start", "model.tie_embeddings")} | {
     "data.held_out_fraction": 0.0}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")

@@ -11,7 +11,8 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from model.args import ModelArgs, RopeScaling
-from model.hf import CONFIG_FIELDS, TIED_HEAD, hf_shapes
+from model.hf import CONFIG_FIELDS, hf_names, hf_shapes
+from model.transformer import TIED_COPY
 from parallel.errors import ConfigError
 from trainer.data.tokenizer import Tokenizer
 
@@ -48,7 +49,8 @@ _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": 
 
 # What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
 # key/value heads defaults to the number of heads).
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False}
 # Where RoPE settings may be: transformers 4 reads rope_scaling, 5 reads `rope_scaling or rope_parameters`.
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 _ROPE_KINDS = ("default", "llama3")  # llama3: model.rope_scaling
@@ -58,7 +60,7 @@ def check_hf_folder(folder: Path, args: ModelArgs) -> None:
     """Before any process group: the folder imports into the configured model, or one error line."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
-    check_tensor_shapes(folder, args, tied=bool(config.get("tie_word_embeddings", False)))
+    check_tensor_shapes(folder, args)
 
 
 def check_token_ids(config: dict, tokenizer: Tokenizer, folder: Path) -> None:
@@ -81,20 +83,26 @@ def check_vocab(config: dict, tokenizer: Tokenizer, folder: Path, padded: bool) 
                           "vocabulary of the tokenizer's size: set it to null to keep the folder's")
 
 
-def check_tensor_shapes(folder: Path, args: ModelArgs, tied: bool) -> None:
+def check_tensor_shapes(folder: Path, args: ModelArgs) -> None:
     """Every tensor the model needs is in the folder with its shape (safetensors headers only): a
-    larger tensor would otherwise be cut to the configured size without a word."""
+    larger tensor would otherwise be cut to the configured size without a word. A tied model reads no
+    lm_head.weight, and a tied folder that ships one is refused: transformers 4 would read the embedding as
+    the head, transformers 5 the lm_head.weight where the two differ."""
     files = tensor_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(set(files.values())):
         with open_safetensors(folder, path) as f:
             shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path}
+    head = hf_names(TIED_COPY)[0]
+    if args.tie_embeddings and head in shapes:
+        raise ConfigError(f"{KEY}={folder}: tie_word_embeddings=true, but it ships {head} too, which transformers 5 "
+                          f"reads as an untied head where it differs from the embedding: remove {head}, or untie both "
+                          "(tie_word_embeddings=false, model.tie_embeddings=false)")
     for name, expected in hf_shapes(args).items():
-        stored = TIED_HEAD[1] if tied and name == TIED_HEAD[0] and name not in shapes else name
-        if stored not in shapes:
-            raise ConfigError(f"{KEY}={folder}: tensor {stored} is missing")
-        if shapes[stored] != expected:
-            raise ConfigError(f"{KEY}={folder}: tensor {stored} has shape {list(shapes[stored])}, the configured "
+        if name not in shapes:
+            raise ConfigError(f"{KEY}={folder}: tensor {name} is missing")
+        if shapes[name] != expected:
+            raise ConfigError(f"{KEY}={folder}: tensor {name} has shape {list(shapes[name])}, the configured "
                               f"model needs {list(expected)}")
 
 

@@ -13,42 +13,38 @@ from pathlib import Path
 import torch
 
 from model.args import ModelArgs
-from model.hf import TIED_HEAD, hf_names
+from model.hf import hf_names
 from model.transformer import VOCAB_PARAMETERS
 from parallel.errors import ConfigError
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import Box, full_shape, shard_boxes
+from parallel.fsdp.tied import aliases
 from parallel.fsdp.unit import FSDPUnit
 from trainer.checkpoint.hf_folder import (KEY, check_architecture, context_note, open_safetensors, read_hf_config,
                                           tensor_files)
 
 
 class HFReader:
-    """HF tensors, whole or sliced, each file opened once; a tied model's missing lm_head reads as its
-    embedding (as transformers reads it)."""
+    """HF tensors, whole or sliced, each file opened once."""
 
-    def __init__(self, folder: Path, tied: bool):
-        self.folder, self.files, self.tied = folder, tensor_files(folder), tied
+    def __init__(self, folder: Path):
+        self.folder, self.files = folder, tensor_files(folder)
         self._open: dict[Path, object] = {}
 
     def slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        stored, handle = self._stored(name)
-        return handle.get_slice(stored)[index]
+        return self._file(name).get_slice(name)[index]
 
     def tensor(self, name: str) -> torch.Tensor:
-        stored, handle = self._stored(name)
-        return handle.get_tensor(stored)
+        return self._file(name).get_tensor(name)
 
-    def _stored(self, name: str) -> tuple[str, object]:
-        """The name `name` is stored under, and the open file that holds it."""
-        if name not in self.files and self.tied and name == TIED_HEAD[0]:
-            name = TIED_HEAD[1]
+    def _file(self, name: str) -> object:
+        """The open file that holds `name`."""
         if name not in self.files:
             raise ConfigError(f"{KEY}={self.folder}: tensor {name} is missing")
         path = self.files[name]
         if path not in self._open:
             self._open[path] = open_safetensors(self.folder, path)
-        return name, self._open[path]
+        return self._open[path]
 
 
 def _fill_box(reader: HFReader, name: str, parts: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
@@ -68,6 +64,7 @@ def _import_unit(reader: HFReader, unit: FSDPUnit, folder_vocab: int) -> None:
     stay as initialized: zero)."""
     local = unit.flat_param.detach()
     boxes = shard_boxes(unit.spec, unit.rank, unit.tp_splits, unit.tp.rank, unit.tp.size)
+    names = aliases(unit)  # a tied head's copy reads the embedding
     for param, shape, split in zip(unit.spec.names, unit.spec.shapes, unit.tp_splits):
         name = f"{unit.name}.{param}"
         parts = split.parts or (full_shape(tuple(shape), split, unit.tp.size)[0],)
@@ -75,25 +72,21 @@ def _import_unit(reader: HFReader, unit: FSDPUnit, folder_vocab: int) -> None:
             parts = (folder_vocab,)
         for box in boxes.get(param, []):
             view = local[box.start : box.start + box.numel].view(box.sizes)
-            _fill_box(reader, name, parts, box, view)
+            _fill_box(reader, names.get(param, name), parts, box, view)
 
 
 def import_hf(folder: Path, roots: list[FSDPRoot], args: ModelArgs, log: Callable[[str], None]) -> None:
     """Overwrite this rank's shards with the folder's weights (optimizer state stays fresh), and log it. A
-    tied model that ships no lm_head (transformers then reads the embedding as the head) starts ours as a
-    copy of the embedding, which trains apart from it from here."""
+    tied folder (tie_word_embeddings) imports only into a tied model (check_architecture), its embedding
+    as the one weight of both."""
     config = read_hf_config(folder)
     check_architecture(config, args, folder)
-    tied = bool(config.get("tie_word_embeddings", False))
-    reader = HFReader(folder, tied)
+    reader = HFReader(folder)
     with torch.no_grad():
         for root in roots:
             for unit in root.units:
                 _import_unit(reader, unit, config["vocab_size"])
-    head_from_embedding = tied and TIED_HEAD[0] not in reader.files
-    log(f"initialized the weights from {folder}" + (
-        " (its lm_head is tied to embed_tokens: the head starts as a copy of the embedding and trains "
-        "separately from here; an export writes both, untied)" if head_from_embedding else ""))
+    log(f"initialized the weights from {folder}")
     note = context_note(config, args, folder)
     if note:
         log(note)

@@ -86,9 +86,8 @@ def _from_hf(folder: Path) -> tuple[ModelArgs, Weights, Tokenizer]:
     try:
         config = read_hf_config(folder)
         args = from_dict({"model": model_keys(config, folder)}).model
-        tied = bool(config.get("tie_word_embeddings", False))
-        check_tensor_shapes(folder, args, tied)
-        weights = from_hf(HFReader(folder, tied).tensor, args)
+        check_tensor_shapes(folder, args)
+        weights = from_hf(HFReader(folder).tensor, args)
     except ConfigError as e:
         # hf_folder.py's lines name the folder by the training key they were written for; this one names it alone.
         raise ConfigError(f"{folder}: {str(e).removeprefix(f'{KEY}={folder}: ')}") from None

@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from model.transformer import Transformer
 from parallel.fsdp import FSDPRoot
 from parallel.fsdp.state_dict import BoxedParameter, boxed_parameters
+from parallel.fsdp.tied import aliases
 from parallel.fsdp.unit import FSDPUnit
 from parallel.mesh import ParallelDims
 from parallel.random import RNGStreams
@@ -42,7 +43,8 @@ def rng_key(rank: int, layout: ParallelDims, device: torch.device) -> str:
 
 
 def _boxed(unit: FSDPUnit, local: torch.Tensor) -> dict[str, BoxedParameter]:
-    return boxed_parameters(unit.name, unit.spec, unit.tp_splits, unit.rank, unit.tp.rank, unit.tp.size, local)
+    return boxed_parameters(unit.name, unit.spec, unit.tp_splits, unit.rank, unit.tp.rank, unit.tp.size, local,
+                            aliases(unit))
 
 
 def checkpoint_state(

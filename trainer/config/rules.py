@@ -350,6 +350,11 @@ def _check_supported(cfg: TrainConfig) -> None:
     for key, supported in NOT_SUPPORTED_YET:
         if get_key(cfg, key) != supported:
             raise ConfigError(f"{setting(cfg, key)} is not supported yet (only {as_written(supported)} is)")
+    if cfg.model.tie_embeddings and cfg.pipeline_parallel_size == 1 and cfg.virtual_pipeline_stages > 1:
+        # The embedding (first chunk) and the head (last chunk) would hold two copies on one rank.
+        raise ConfigError("model.tie_embeddings=true with num_layers_per_virtual_pipeline_stage on one pipeline rank "
+                          "(pipeline_parallel_size=1) is not supported yet: unset "
+                          "num_layers_per_virtual_pipeline_stage, or use pipeline_parallel_size > 1")
 
 
 def _divisible(key: str, value: int, by_key: str, by: int) -> None:

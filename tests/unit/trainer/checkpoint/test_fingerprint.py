@@ -192,3 +192,14 @@ def test_rope_scaling_is_architecture_stored_as_json_and_null_in_older_checkpoin
     check_resumable(older, _fingerprint(), allowed=[])
     with pytest.raises(ConfigError, match=r"model.rope_scaling None -> \{'type': 'llama3'"):
         check_resumable(older, scaled, allowed=[])
+
+
+def test_tied_embeddings_are_architecture_and_absent_means_untied(tmp_path):
+    tied = _fingerprint(tie_embeddings=True)
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings True -> False") as err:
+        check_resumable(_saved(tmp_path, tied), _fingerprint(), allowed=[])
+    assert "allow_changed" not in str(err.value)
+    older = _saved(tmp_path, _fingerprint(), drop=("model.tie_embeddings",))
+    check_resumable(older, _fingerprint(), allowed=[])
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings False -> True"):
+        check_resumable(older, tied, allowed=[])

@@ -152,6 +152,20 @@ def test_the_exported_rope_is_what_transformers_reads_and_imports_back(tmp_path:
     check_architecture(config, args, tmp_path)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embeddings_export_as_transformers_reads_them_and_must_match_on_import(tmp_path: Path, tied: bool) -> None:
+    args = dataclasses.replace(ModelArgs(), tie_embeddings=tied)
+    config = hf_config(args, "float32", 1, 2)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    assert transformers.AutoConfig.from_pretrained(folder).tie_word_embeddings is tied
+    check_architecture(config, args, tmp_path)
+    with pytest.raises(ConfigError, match=f"tie_word_embeddings={tied} vs model.tie_embeddings={not tied}") as e:
+        check_architecture(config, dataclasses.replace(args, tie_embeddings=not tied), tmp_path)
+    assert "\n" not in str(e.value)
+
+
 def test_token_ids_of_config_json_must_be_the_tokenizers(tmp_path: Path) -> None:
     """A folder saying bos=998 would otherwise train with a tokenizer whose bos is 1, without a word."""
     tokenizer = SimpleNamespace(bos_id=1, eos_id=2, path=tmp_path / "tokenizer.json")

@@ -35,7 +35,8 @@ def load(*overrides: str) -> TrainConfig:
     return from_dict(OmegaConf.to_container(raw, resolve=True))
 
 
-@pytest.mark.parametrize("model", ["tiny", "small", "llama3_8b", "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize("model", ["tiny", "small", "llama3_8b", "llama3_1_8b", "llama3_2_1b", "llama3_70b",
+                                   "llama3_405b"])
 def test_every_model_config_is_valid_and_has_the_contract_keys(model):
     cfg = load(f"model={model}")
     for key in CONTRACT_KEYS:
@@ -55,6 +56,16 @@ def test_the_product_launch_command_is_valid_on_8_ranks():
 def test_llama3_8b_dimensions():
     args = load("model=llama3_8b").model
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden_dim) == (4096, 32, 32, 8, 14336)
+
+
+def test_llama3_2_1b_is_tied_and_shaped_as_published():
+    args = load("model=llama3_2_1b").model
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden_dim, args.vocab_size,
+            args.head_dim, args.rope_theta, args.rope_scaling.factor) == (2048, 16, 32, 8, 8192, 128256, 64, 5e5, 32.0)
+    assert args.tie_embeddings and not load("model=llama3_1_8b").model.tie_embeddings
+    # Tied copies on the first and last stages, interleaved too, on any TP.
+    validate(load("model=tiny", "model.tie_embeddings=true", "pipeline_parallel_size=2", "model_parallel_size=2",
+                  "num_layers_per_virtual_pipeline_stage=1"), world_size=4)
 
 
 @pytest.mark.parametrize(
@@ -145,6 +156,10 @@ def test_llama3_8b_dimensions():
          "model.rope_scaling.high_freq_factor=4.0 must be > model.rope_scaling.low_freq_factor=4.0"),
         (["model.rope_scaling={original_max_position_embeddings:0}"], 1,
          "model.rope_scaling.original_max_position_embeddings=0 must be > 0"),
+        (["model.tie_embeddings=true", "num_layers_per_virtual_pipeline_stage=1"], 1,
+         "model.tie_embeddings=true with num_layers_per_virtual_pipeline_stage on one pipeline rank "
+         "(pipeline_parallel_size=1) is not supported yet"),
+        (["model.tie_embeddings=yes"], 1, "model.tie_embeddings='yes' must be bool"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):

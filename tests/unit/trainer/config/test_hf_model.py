@@ -42,6 +42,14 @@ def test_the_architecture_is_the_folders(folder):
         (2, 64, 4, 2, 584, 160, 1e-5, 500000.0)
     assert (m.rope_scaling.factor, m.rope_scaling.original_max_position_embeddings) == (8.0, 16)
     assert from_dict(fill_hf_model(values(folder, n_layers=2))).model == m  # agreeing with the folder is fine
+    assert not m.tie_embeddings  # transformers' default where config.json is silent
+
+
+def test_tied_embeddings_are_the_folders(folder):
+    (folder / "config.json").write_text(json.dumps(LLAMA31 | {"tie_word_embeddings": True}))
+    assert from_dict(fill_hf_model(values(folder))).model.tie_embeddings
+    with pytest.raises(ConfigError, match=r"^model.tie_embeddings=False contradicts .*config.json, which gives True$"):
+        fill_hf_model(values(folder, tie_embeddings=False))
 
 
 def test_a_key_that_contradicts_the_folder_is_one_line(folder):
