@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from parallel.errors import ConfigError
@@ -46,6 +48,16 @@ def cache_key(sources: str, vocab_size: int, tokenizer: Tokenizer | None) -> str
     recipe = tokenizer.sha256 if tokenizer else trainer_settings_fingerprint()
     parts = [CACHE_VERSION, sources, tokenizer.vocab_size if tokenizer else vocab_size, recipe]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def marking_errors(marker: Path) -> Iterator[None]:
+    """The main rank's build: an error it raises is also written to `marker`, for the waiting ranks."""
+    try:
+        yield
+    except Exception as exc:
+        write_error_marker(marker, exc)
+        raise
 
 
 def write_error_marker(marker: Path, exc: Exception) -> None:

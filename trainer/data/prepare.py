@@ -11,7 +11,7 @@ from pathlib import Path
 
 from parallel.errors import ConfigError
 from trainer.config.vocab import VocabPadding
-from trainer.data.cache import CachePaths, cache_key, wait_for_main_rank, write_error_marker
+from trainer.data.cache import CachePaths, cache_key, marking_errors, wait_for_main_rank
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
 from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
@@ -66,8 +66,8 @@ def prepare_dataset(
             link, kept = next(iter(links.items()))
             log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
                 f"e.g. {link} (read as {kept})")
-        with Heartbeat(paths.progress, timeout_s):
-            _build_or_mark_error(files, sources, vocab_size, given, paths, log)
+        with Heartbeat(paths.progress, timeout_s), marking_errors(paths.error):
+            _build(files, sources, vocab_size, given, paths, log)
     else:
         wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or SentencePieceTokenizer(paths.tokenizer)
@@ -77,21 +77,6 @@ def prepare_dataset(
         raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
                           f"{tokenizer.path}; delete {paths.tokens} to pack the data again")
     return tokenizer, tokens
-
-
-def _build_or_mark_error(
-    files: list[Path],
-    sources: str,
-    vocab_size: int,
-    given: Tokenizer | None,
-    paths: CachePaths,
-    log: Callable[[str], None],
-) -> None:
-    try:
-        _build(files, sources, vocab_size, given, paths, log)
-    except Exception as exc:
-        write_error_marker(paths.error, exc)
-        raise
 
 
 def _build(

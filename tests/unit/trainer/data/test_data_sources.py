@@ -22,7 +22,7 @@ def _stop_before_building(*args: object) -> None:
 def _logs_until_building(root: Path, tmp_path: Path, monkeypatch) -> list[str]:
     """What the main rank logs about `root` before it starts building the cache."""
     logs: list[str] = []
-    monkeypatch.setattr(data_module, "_build_or_mark_error", _stop_before_building)
+    monkeypatch.setattr(data_module, "_build", _stop_before_building)
     with pytest.raises(_Stop):
         prepare_dataset(str(root), None, 300, tmp_path / "cache", True, logs.append)
     return logs
