@@ -10,6 +10,11 @@ Tensors between stages have a fixed shape and dtype (no shape exchange): activat
 their gradients backward. Received activations become leaves that require grad; their `.grad` after
 the chunk's backward is what goes upstream. A hand-over between two chunks of one rank (the last
 stage of a round feeding the first of the next, when pp = 1) skips the network.
+
+What a rank holds for p2p does not grow with the microbatch count: a stage output's data is freed as
+soon as it is handed to its send (the autograd node stays for the backward, as Megatron's
+deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
+communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held at once in a step.
 """
 
 import time
@@ -17,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.variable import Variable
 from torch.distributed import ProcessGroup, Work
 from torch.profiler import record_function
 
@@ -60,10 +66,11 @@ class PipelineRuntime:
                              f"forward first ({first_backward} vs {self.first_forward})")
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
-        self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the step's end
+        self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the next batch
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
         # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
         self.trace: list[tuple[Action, float, float]] | None = None
+        self.peak_p2p_tensors = self.peak_p2p_bytes = 0  # outgoing tensors held at once, this step
 
     def run_step(self, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs = _no_kwargs) -> None:
         """Run every forward and backward of the step; gradients are left in the FSDP units."""
@@ -75,6 +82,7 @@ class PipelineRuntime:
 
     def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
              keep_for_backward: bool) -> None:
+        self.peak_p2p_tensors = self.peak_p2p_bytes = 0
         for step in steps:
             a, start = step[0], time.time()
             if self.num_stages > 1:
@@ -89,9 +97,7 @@ class PipelineRuntime:
                     self._backward(a)
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
-        for work, _ in self._sending:
-            comm.wait(work, "send", self.group)
-        self._sending.clear()
+        self._wait_sends()
         for root in self.roots:
             root.clear_microbatch()
         if self._saved or self._inbox or self._outbox:
@@ -113,8 +119,10 @@ class PipelineRuntime:
         y = self.chunks[a.chunk](x, **chunk_kwargs(a.microbatch))
         if stage == self.num_stages - 1:
             y = loss(y, a.microbatch)
-        else:
-            self._route(FORWARD, stage, a.microbatch, y.detach())
+        elif self._route(a, FORWARD, stage, y.detach()) and y._base is None:
+            # The outgoing tensor keeps the data until its send is done; the backward needs only y's
+            # autograd node (a view's data belongs to its base, which may still be in use).
+            y.data = torch.empty(0, dtype=y.dtype, device=y.device)
         if keep_for_backward:
             self._saved[(a.chunk, a.microbatch)] = (x, y)
 
@@ -125,19 +133,51 @@ class PipelineRuntime:
         if stage == self.num_stages - 1:
             torch.autograd.backward(y)
         else:
-            torch.autograd.backward(y, self._inbox.pop((BACKWARD, stage, a.microbatch)))
+            # The engine itself: torch.autograd.backward compares the gradient's shape with y's data,
+            # which may be freed (sent); the engine checks it against y's autograd metadata.
+            grad = self._inbox.pop((BACKWARD, stage, a.microbatch))
+            Variable._execution_engine.run_backward((y,), (grad,), False, False, (), True, True)
         if stage > 0:
-            self._route(BACKWARD, stage, a.microbatch, x.grad)
+            self._route(a, BACKWARD, stage, x.grad)
 
-    def _route(self, op: str, stage: int, microbatch: int, tensor: torch.Tensor) -> None:
+    def _route(self, a: Action, op: str, stage: int, tensor: torch.Tensor) -> bool:
+        """Hand an output to its consumer; True when it goes out through the network."""
         consumer = downstream(stage, op, self.num_stages)
-        box = self._inbox if consumer % self.pp == self.rank else self._outbox
-        box[(op, consumer, microbatch)] = tensor.contiguous()
+        key = (op, consumer, a.microbatch)
+        if consumer % self.pp == self.rank:
+            self._inbox[key] = tensor.contiguous()
+            return False
+        if tensor.shape != self.shape or tensor.dtype != self.dtype:
+            # The peer receives into a buffer of the fixed shape and dtype: NCCL would hang or corrupt.
+            raise RuntimeError(
+                f"pipeline stage {stage} (rank {self.rank}, chunk {a.chunk}) microbatch {a.microbatch}: "
+                f"{'activation' if op == FORWARD else 'input gradient'} to send is {tuple(tensor.shape)} "
+                f"{tensor.dtype}, stage {consumer} receives {tuple(self.shape)} {self.dtype}"
+            )
+        self._outbox[key] = tensor.contiguous()
+        self._count_held()
+        return True
+
+    def _count_held(self) -> None:
+        """Outgoing tensors held: waiting for their SEND, or posted and not yet waited. Only a new
+        outgoing tensor raises the count, so it is taken there."""
+        held = list(self._outbox.values()) + [t for _, t in self._sending]
+        self.peak_p2p_tensors = max(self.peak_p2p_tensors, len(held))
+        self.peak_p2p_bytes = max(self.peak_p2p_bytes, sum(t.numel() * t.element_size() for t in held))
+
+    def _wait_sends(self) -> None:
+        """Wait the posted sends and drop their tensors. Waited at the next batch (slot t), they cannot
+        deadlock: their receives sit in the peers' batches of earlier slots, which every rank reaches
+        without waiting for slot t (see schedule.py)."""
+        for work, _ in self._sending:
+            comm.wait(work, "send", self.group)
+        self._sending.clear()
 
     def _exchange(self, batch: list[Action]) -> None:
         """Post the batch; wait for its receives only. A send's tensor is never written again, so its
-        wait can be deferred to the step's end and the rank computes on meanwhile (as
+        wait can be deferred (to the next batch) and the rank computes on meanwhile (as
         torch.distributed.pipelining does); the posting order, which is what must match, is unchanged."""
+        self._wait_sends()
         ops, received = [], {}
         for a in batch:
             key = transfer_key(a, self.pp, self.num_stages)

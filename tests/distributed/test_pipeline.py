@@ -1,8 +1,11 @@
 """Pipeline parallelism through the trainer's step on gloo ranks: every schedule, pp 2 and 4, one and two
 chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
-single-process losses and gradient norms; exact per-step collective counts; one flat-grad concat per unit per step; and the
+single-process losses and gradient norms; exact per-step collective counts; one flat-grad concat per unit per step;
+p2p memory independent of the microbatch count; and the
 8-rank tp x pp x dp composition (bf16 bitwise with optimize_backward_concat on and off, fp32 against
 tp=1/pp=1/dp=1)."""
+
+import weakref
 
 import pytest
 from torch.autograd.profiler import profile
@@ -117,7 +120,43 @@ def _check_a_loader_of_other_shapes_is_refused(rank: int, world: int) -> None:
         trainer.train_step(1)
 
 
+def _p2p_held(cfg, world: int) -> tuple[int, int, int]:
+    """One step: the runtime's peak of outgoing tensors and bytes, and the most sent tensors alive at
+    once by weak references; every stage output handed to a send must have lost its data."""
+    trainer = make_trainer(cfg, world)
+    runtime, sent, alive = trainer.runtime, [], [0]
+    post, forward = comm.batch_isend_irecv, runtime._forward
+
+    def posting(ops, group, label=""):
+        sent.extend(weakref.ref(tensor) for is_send, tensor, _ in ops if is_send)
+        alive[0] = max(alive[0], sum(ref() is not None for ref in sent))
+        return post(ops, group, label)
+
+    def forwarding(a, *args):
+        forward(a, *args)
+        if a.chunk * runtime.pp + a.rank < runtime.num_stages - 1:
+            assert runtime._saved[(a.chunk, a.microbatch)][1].untyped_storage().nbytes() == 0, a
+
+    comm.batch_isend_irecv, runtime._forward = posting, forwarding
+    try:
+        trainer.train_step(1)
+    finally:
+        comm.batch_isend_irecv = post
+    assert sent and all(ref() is None for ref in sent)
+    return runtime.peak_p2p_tensors, runtime.peak_p2p_bytes, alive[0]
+
+
+def _check_p2p_memory_is_independent_of_the_microbatch_count(rank: int, world: int) -> None:
+    """1F1B and interleaved at pp 2 and 4 hold the same outgoing tensors at M=4 and M=16, two at most."""
+    for pp, per_stage in ((2, None), (4, None), (2, 2), (4, 1)):
+        layers = {} if per_stage is None else {"num_layers_per_virtual_pipeline_stage": per_stage}
+        held = [_p2p_held(config(pipeline_parallel_size=pp, batch_size=m, steps=1, **layers), world) for m in (4, 16)]
+        assert held[0] == held[1] and held[0][0] <= 2, (pp, per_stage, held)
+        assert held[0][1] == held[0][0] * SEQ * MODEL["dim"] * 4, (pp, per_stage, held)
+
+
 def _pipeline_ranks(rank: int, world: int, reference: dict) -> None:
+    _check_p2p_memory_is_independent_of_the_microbatch_count(rank, world)
     _check_layouts(rank, world, reference)
     _check_one_concat_per_unit(rank, world)
     _check_composition_on_4_ranks(rank, world, reference)

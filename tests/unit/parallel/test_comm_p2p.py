@@ -44,3 +44,85 @@ def test_a_pipeline_receive_after_a_send_is_waited_on_a_coalescing_backend(coale
     runtime._exchange([Action(0, SEND_B, 1, 0, peer=1), Action(0, RECV_F, 1, 0, peer=1)])
     assert coalescing_backend.waits >= 1
     assert (FORWARD, 2, 0) in runtime._inbox
+
+
+class _Root:
+    """What the runtime tells a chunk's FSDP root, ignored."""
+
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        pass
+
+    def clear_microbatch(self) -> None:
+        pass
+
+
+def _runtime(schedule: str, pp: int, vpp: int, m: int, rank: int, chunk=None):
+    from parallel.pipeline.runtime import PipelineRuntime
+    from parallel.pipeline.schedule import schedule_actions
+
+    chunks = [chunk or torch.nn.Linear(4, 4) for _ in range(vpp)]
+    return PipelineRuntime(schedule_actions(schedule, pp, vpp, m, rank), pp, chunks, [_Root()] * vpp,
+                           comm.dist.group.WORLD, (2, 4), torch.float32, torch.device("cpu"))
+
+
+def _held(runtime, sent: list, freed: list) -> tuple[int, int, int]:
+    """Run a step; (the runtime's peak of outgoing tensors and bytes, the most sent tensors alive at once).
+    `freed` gets, per forward whose output is sent, whether that output's storage is empty."""
+    alive = [0]
+    post, forward = comm.batch_isend_irecv, runtime._forward
+
+    def posting(ops, group, label=""):
+        works = post(ops, group, label)
+        alive[0] = max(alive[0], sum(ref() is not None for ref in sent))
+        return works
+
+    def forwarding(a, *args):
+        forward(a, *args)
+        if a.chunk * runtime.pp + a.rank < runtime.num_stages - 1:
+            freed.append(runtime._saved[(a.chunk, a.microbatch)][1].untyped_storage().nbytes() == 0)
+
+    comm.batch_isend_irecv, runtime._forward = posting, forwarding
+    try:
+        runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
+    finally:
+        comm.batch_isend_irecv = post
+    assert all(ref() is None for ref in sent)  # every sent tensor is released by the step's end
+    return runtime.peak_p2p_tensors, runtime.peak_p2p_bytes, alive[0]
+
+
+def test_the_p2p_memory_of_a_rank_does_not_grow_with_the_microbatch_count(world, monkeypatch):
+    """Sends are waited at the rank's next batch with the same peer and their tensors dropped, and a
+    stage output's data is freed once handed to its send: M=16 holds what M=4 holds."""
+    import weakref
+
+    sent: list = []
+    freed: list = []
+
+    def batch(p2p):
+        sent.extend(weakref.ref(op.tensor) for op in p2p if op.op is comm.dist.isend)
+        return [_CoalescedWork()]
+
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", batch)
+    for schedule, pp, vpp in (("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)):
+        for rank in range(pp):
+            held = [_held(_runtime(schedule, pp, vpp, m, rank), sent, freed) for m in (4, 16)]
+            assert held[0] == held[1], (schedule, pp, vpp, rank, held)
+            assert held[0][0] <= 2 and held[0][1] == held[0][0] * 2 * 4 * 4, (schedule, pp, vpp, rank, held)
+    assert freed and all(freed)  # a sent output keeps its autograd node, not its data
+
+
+def test_an_outgoing_tensor_of_the_wrong_shape_or_dtype_names_its_stage_and_microbatch(world):
+    """The peer receives into a buffer of the runtime's fixed shape and dtype; NCCL would hang or write
+    past it, so the sender refuses before posting anything."""
+    runtime = _runtime("1f1b", 2, 1, 2, 0, chunk=torch.nn.Linear(4, 3))
+    with pytest.raises(RuntimeError, match=r"stage 0 \(rank 0, chunk 0\) microbatch 0: activation to send is "
+                                           r"\(2, 3\) torch.float32, stage 1 receives \(2, 4\) torch.float32"):
+        runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
+    from parallel.pipeline.schedule import BACKWARD, FORWARD, Action
+
+    runtime = _runtime("1f1b", 2, 1, 2, 1, chunk=torch.nn.Linear(4, 4).double())
+    runtime._inbox[(FORWARD, 1, 1)] = torch.ones(2, 4, dtype=torch.float64)  # as if received in float64
+    runtime._forward(Action(1, FORWARD, 0, 1), None, lambda y, mb: y.sum(), lambda mb: {}, True)
+    with pytest.raises(RuntimeError, match=r"stage 1 \(rank 1, chunk 0\) microbatch 1: input gradient to send "
+                                           r"is \(2, 4\) torch.float64"):
+        runtime._backward(Action(1, BACKWARD, 0, 1))
