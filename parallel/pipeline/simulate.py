@@ -4,10 +4,11 @@ No process group is needed. Each rank executes its program in order; a compute a
 a communication batch posts all its operations when the rank reaches it and completes when every
 operation's counterpart has been posted by its peer (plus the p2p cost). By default the rank waits for
 that (`sends_block=True`): a send waits for its receive, the strictest semantics, so a program that
-completes here cannot deadlock on a real backend. With `sends_block=False` a batch of sends only is
-not waited (what the runtime does: it waits for receives), while a batch that receives is waited
-whole (on NCCL the batch is one work). The simulation also checks that every compute finds its input
-already there and every send is received, so it validates the schedule it times.
+completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does: it
+waits for a batch's receives only, and for its sends at its next batch, before posting that one. On
+`backend="nccl"` a batch is one work, so waiting its receives waits its sends too; on "gloo" each
+operation is its own work. The simulation also checks that every compute finds its input already
+there and every send is received, so it validates the schedule it times.
 """
 
 import random
@@ -73,8 +74,13 @@ class Timeline:
 
 
 class _Simulation:
-    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool):
+    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool,
+                 backend: str):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={backend} is not one of: nccl | gloo")
         self.pp, self.num_stages, self.cost, self.sends_block = pp, pp * vpp, cost, sends_block
+        self.batch_is_one_work = backend == "nccl"
+        self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
         self.steps = [batched(list(p)) for p in programs]
         self.position, self.clock = [0] * pp, [0.0] * pp
         self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
@@ -125,22 +131,38 @@ class _Simulation:
         return True
 
     def _transfer(self, rank: int, batch: list[Action]) -> bool:
-        keys = [(transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")) for a in batch]
-        for key in keys:
-            self.posted.setdefault(key, self.clock[rank])
-        if not self.sends_block and all(is_send for _, is_send in keys):
-            return True
-        if any((key, not is_send) not in self.posted for key, is_send in keys):
+        ops = [((transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")), a) for a in batch]
+        if not self.sends_block:  # the runtime waits the previous batch's sends before posting
+            if not self._wait(rank, self.unwaited[rank]):
+                return False
+            self.unwaited[rank] = []
+        for op, _ in ops:
+            self.posted.setdefault(op, self.clock[rank])
+        receives = any(not is_send for (_, is_send), _ in ops)
+        if self.sends_block or (receives and self.batch_is_one_work):
+            waited = ops
+        else:
+            waited = [op for op in ops if not op[0][1]]
+        if not self._wait(rank, waited):
             return False
-        finish = max(max(self.posted[(k, s)], self.posted[(k, not s)]) + self.cost(a) for (k, s), a in zip(keys, batch))
-        self.clock[rank] = max(self.clock[rank], finish)
-        self.available[rank].update(k for k, is_send in keys if not is_send)
+        if not self.sends_block:
+            self.unwaited[rank] = [op for op in ops if op not in waited]
+        self.available[rank].update(k for (k, is_send), _ in ops if not is_send)
+        return True
+
+    def _wait(self, rank: int, ops: list[tuple]) -> bool:
+        """Whether every op's counterpart is posted; if so the rank's clock moves to their completion."""
+        if any((key, not is_send) not in self.posted for (key, is_send), _ in ops):
+            return False
+        finish = [max(self.posted[(k, s)], self.posted[(k, not s)]) + self.cost(a) for (k, s), a in ops]
+        self.clock[rank] = max([self.clock[rank], *finish])
         return True
 
 
-def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True) -> Timeline:
+def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True,
+             backend: str = "nccl") -> Timeline:
     """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
-    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block).run()
+    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, backend).run()
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
