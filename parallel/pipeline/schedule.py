@@ -254,12 +254,3 @@ def forward_only(program: list[Action]) -> list[Action]:
     """The forwards of a program and their transfers (evaluation): a subset of a deadlock-free order,
     with every batch still matched slot by slot, is deadlock-free."""
     return [a for a in program if a.op in (FORWARD, SEND_F, RECV_F)]
-
-
-def chunk_layers(n_layers: int, pp: int, vpp: int, rank: int, chunk: int) -> range:
-    """The global layer indices of chunk `chunk` of rank `rank`: layer block chunk * pp + rank."""
-    if n_layers % (pp * vpp):  # a remainder would be layers no stage runs
-        raise ValueError(f"{n_layers} layers do not split into {pp} x {vpp} equal pipeline stages")
-    per_stage = n_layers // (pp * vpp)
-    stage = chunk * pp + rank
-    return range(stage * per_stage, (stage + 1) * per_stage)
