@@ -15,7 +15,8 @@ from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.schedule import chunk_layers, schedule_actions
+from parallel.pipeline.layers import chunk_layers
+from parallel.pipeline.schedule import schedule_actions
 from parallel.tensor_parallel import TPContext
 from trainer.config.schema import TrainConfig
 
@@ -53,10 +54,11 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
     initial values as it shards it). Parameter names are those of the whole model, so every layout
     initializes and checkpoints the same parameters under the same names."""
     pp, vpp, n_layers = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.model.n_layers
+    ends = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
     with torch.device("meta"):
         return [
             Transformer(
-                cfg.model, tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk),
+                cfg.model, tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk, *ends),
                 embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1, cp=cp,
                 blocks=blocks,
             )

@@ -21,6 +21,7 @@ from parallel import comm
 from parallel.fsdp import tied_copies_equal
 from parallel.launch_env import LaunchEnv
 from parallel.mesh import ParallelMesh
+from parallel.pipeline.summary import schedule_summary
 from parallel.random import RNGStreams
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import ExtraFiles, prune_checkpoints, save_checkpoint
@@ -64,6 +65,9 @@ class Trainer:
         # The model's vocabulary is the tokenizer's (padded); from here on, every part of the run sees it.
         self.cfg = cfg = with_tokenizer_vocabulary(cfg, self.data.tokenizer.vocab_size, str(self.data.tokenizer.path))
         self.runner = StepRunner.build(cfg, mesh, self.data.loader, device, self.data.eval_loader)
+        if self.rank == 0 and cfg.pipeline_parallel_size > 1:  # simulating the step takes a moment: once
+            self.log(schedule_summary(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages,
+                                      cfg.num_microbatches))
         self.rng = RNGStreams(cfg.seed, self.runner.chunks[0].tp.rank, device)
         self.fingerprint = run_fingerprint(cfg, dtype_name, self.data.loader.sampler.global_batch_size,
                                            self.data.tokenizer.sha256, self.data.fingerprint)

@@ -7,9 +7,9 @@ Building a schedule has two parts:
 
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
-   backwards) or `interleaved_1f1b` (Megatron's order over groups of pp microbatches, which allows
-   microbatch counts that are not multiples of pp). As in Megatron, `1f1b` over more than one chunk
-   per rank is the interleaved one: virtual stages alone turn interleaving on.
+   backwards) or `interleaved_1f1b` (Megatron's order over groups of microbatches, the group size
+   searched: see interleaved_group). As in Megatron, `1f1b` over more than one chunk per rank is the
+   interleaved one: virtual stages alone turn interleaving on.
 2. The point-to-point transfers, placed by list-scheduling the compute orders with unit costs
    (forward 1, backward 2): the transfer of an output finished at time t goes into communication
    batch "t" of both sender and receiver. Every rank's batches are then in increasing t, and each
@@ -84,7 +84,7 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int
     if microbatches < 1:
         raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
     if schedule == "interleaved_1f1b":
-        return _interleaved_order(pp, vpp, microbatches, rank, _interleaved_group(pp, vpp, microbatches))
+        return _interleaved_order(pp, vpp, microbatches, rank, interleaved_group(pp, vpp, microbatches))
     forwards = [(0, mb) for mb in range(microbatches)]
     warmup = microbatches if schedule == "gpipe" else min(pp - rank - 1, microbatches)
     return _one_f_one_b(rank, forwards, forwards, warmup)
@@ -103,20 +103,41 @@ def _interleaved_order(pp: int, vpp: int, microbatches: int, rank: int, group: i
 
 
 @lru_cache(maxsize=64)
-def _interleaved_group(pp: int, vpp: int, microbatches: int) -> int:
-    """The microbatch group size: Megatron's (pp) or torch's (microbatches / rounds, rounds =
-    max(1, microbatches // pp), where that divides), whichever valid one finishes first at unit costs;
-    the whole batch as one group, which is always valid, only when neither is."""
-    rounds = max(1, microbatches // pp)
-    candidates = {pp} | ({microbatches // rounds} if microbatches % rounds == 0 else set())
-    makespans = {}
-    for group in sorted(candidates):
-        orders = [_interleaved_order(pp, vpp, microbatches, r, group) for r in range(pp)]
-        try:
-            makespans[group] = max(_list_schedule(orders, pp, vpp, "interleaved_1f1b", microbatches)[1].values())
-        except ConfigError:
-            continue
-    return min(makespans, key=lambda g: (makespans[g], g)) if makespans else microbatches
+def interleaved_group(pp: int, vpp: int, microbatches: int) -> int:
+    """The microbatch group size of the interleaved order, searched over pp..M (M when M < pp).
+
+    The valid size whose order finishes first at unit costs wins; ties go to the smaller size, which
+    holds fewer activations (the peak grows with the size). Sizes whose peak exceeds
+    1F1B's (min(pp, M) microbatches) by more than vpp microbatches are skipped, unless none within that
+    bound schedules: then the smallest size that schedules. As the peak grows with the size, the bound
+    also bounds the search to a few list schedules (one group of all M, which always schedules, ends
+    the fallback)."""
+    sizes = range(min(pp, microbatches), microbatches + 1)
+    limit = (min(pp, microbatches) + vpp) * vpp  # in chunk activations: a chunk holds 1/vpp of a stage
+    within = [g for g in sizes if interleaved_peak(pp, vpp, microbatches, g) <= limit]
+    makespans = {g: span for g in within if (span := _interleaved_makespan(pp, vpp, microbatches, g)) is not None}
+    if makespans:
+        return min(makespans, key=lambda g: (makespans[g], g))
+    return next(g for g in sizes[len(within):] if _interleaved_makespan(pp, vpp, microbatches, g) is not None)
+
+
+def interleaved_peak(pp: int, vpp: int, microbatches: int, group: int) -> int:
+    """Chunk activations rank 0 holds at most (the most of any rank: its warm-up is the longest):
+    its warm-up forwards, plus the first steady forward before the first backward frees one."""
+    forwards = vpp * microbatches
+    warmup = min((pp - 1) * 2 + (vpp - 1) * group, forwards)
+    return warmup + 1 if warmup < forwards else warmup
+
+
+def _interleaved_makespan(pp: int, vpp: int, microbatches: int, group: int) -> int | None:
+    """When the order with this group size ends, list-scheduled at unit costs (the clock the transfers
+    are placed on; the simulator's, with its transfer batches, costs three times as much); None when it
+    deadlocks."""
+    orders = [_interleaved_order(pp, vpp, microbatches, r, group) for r in range(pp)]
+    try:
+        return max(_list_schedule(orders, pp, vpp, "interleaved_1f1b", microbatches)[1].values())
+    except ConfigError:
+        return None
 
 
 def _one_f_one_b(rank: int, forwards: list, backwards: list, warmup: int) -> list[Action]:
@@ -254,12 +275,3 @@ def forward_only(program: list[Action]) -> list[Action]:
     """The forwards of a program and their transfers (evaluation): a subset of a deadlock-free order,
     with every batch still matched slot by slot, is deadlock-free."""
     return [a for a in program if a.op in (FORWARD, SEND_F, RECV_F)]
-
-
-def chunk_layers(n_layers: int, pp: int, vpp: int, rank: int, chunk: int) -> range:
-    """The global layer indices of chunk `chunk` of rank `rank`: layer block chunk * pp + rank."""
-    if n_layers % (pp * vpp):  # a remainder would be layers no stage runs
-        raise ValueError(f"{n_layers} layers do not split into {pp} x {vpp} equal pipeline stages")
-    per_stage = n_layers // (pp * vpp)
-    stage = chunk * pp + rank
-    return range(stage * per_stage, (stage + 1) * per_stage)

@@ -80,11 +80,12 @@ def reference_of(metrics: list[StepMetrics]) -> Reference:
     return {"loss": [m.loss for m in metrics], "grad_norm": [m.grad_norm for m in metrics]}
 
 
-def write_references(rank: int, world: int, global_batches: list[int], path: str, steps: int = STEPS) -> None:
+def write_references(rank: int, world: int, global_batches: list[int], path: str, steps: int = STEPS,
+                     model: dict | None = None) -> None:
     """One process, no parallelism: losses and gradient norms of each global batch size, for the
     layouts to match (the norm catches a gradient that is off by a constant factor, which Adam's
-    normalized update hides from the losses)."""
-    out = {g: reference_of(train(config(batch_size=g, steps=steps), 1)[1]) for g in global_batches}
+    normalized update hides from the losses). `model`: overrides of MODEL."""
+    out = {g: reference_of(train(config(batch_size=g, steps=steps, model=model or {}), 1)[1]) for g in global_batches}
     with open(path, "w") as f:
         json.dump(out, f)
 

@@ -1,33 +1,48 @@
 """Pipeline parallelism through the trainer's step on gloo ranks: every schedule, pp 2 and 4, one and two
 chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
-single-process losses and gradient norms; exact per-step collective counts; one flat-grad concat per unit per step;
-p2p memory independent of the microbatch count; and the
-8-rank tp x pp x dp composition (bf16 bitwise with optimize_backward_concat on and off, fp32 against
-tp=1/pp=1/dp=1)."""
+single-process losses and gradient norms; uneven first and last stages, and their checkpoint on an even
+split; exact per-step collective counts; one flat-grad concat per unit per step; p2p memory independent
+of the microbatch count; and the 8-rank tp x pp x dp composition (bf16 bitwise with
+optimize_backward_concat on and off, fp32 against tp=1/pp=1/dp=1)."""
 
 import weakref
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch.autograd.profiler import profile
 
 from parallel import comm
 from parallel.fsdp import CONCAT_EVENT
+from parallel.random import RNGStreams
 from tests.distributed.pipeline_cases import (
-    MODEL, SEQ, assert_matches, config, expected_p2p, make_trainer, read_references, reference_of, train,
-    write_references,
+    MODEL, SEQ, FixedSampler, assert_matches, checkpoint_state_of, config, expected_p2p, make_trainer,
+    read_references, reference_of, train, write_references,
 )
+from trainer.checkpoint.files import save_checkpoint
+from trainer.checkpoint.state import load_into
 from tests.distributed.spawn import run_ranks
 
 # (pp, layers per virtual stage) -> chunks per rank with n_layers=8: pp2 x 2 layers = 2, pp4 x 1 layer = 2.
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {2: 2, 4: 1}}
 MICROBATCHES = {2: (2, 4, 3), 4: (4, 8, 5)}
 GLOBAL_BATCHES = [4, 5, 6, 8]
+UNEVEN_STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, list[float]]:
     path = str(tmp_path_factory.mktemp("reference") / "losses.json")
     run_ranks(1, write_references, GLOBAL_BATCHES, path)
+    return read_references(path)
+
+
+@pytest.fixture(scope="module")
+def reference_6_layers(tmp_path_factory) -> dict[int, list[float]]:
+    """n_layers=6, global batch 4, 4 steps: the uneven stages' reference."""
+    path = str(tmp_path_factory.mktemp("reference") / "losses_6_layers.json")
+    run_ranks(1, write_references, [4], path, UNEVEN_STEPS, {"n_layers": 6})
     return read_references(path)
 
 
@@ -155,7 +170,32 @@ def _check_p2p_memory_is_independent_of_the_microbatch_count(rank: int, world: i
         assert held[0][1] == held[0][0] * SEQ * MODEL["dim"] * 4, (pp, per_stage, held)
 
 
-def _pipeline_ranks(rank: int, world: int, reference: dict) -> None:
+def _check_uneven_stages(rank: int, world: int, reference: list[float], root: str) -> None:
+    """n_layers=6 as 1, 2, 2, 1 layers on pp=4, and as 1, 2 | 2, 1 over two chunks on pp=2, match one
+    process; a checkpoint of the 1, 2, 2, 1 split resumes on the even pp=2 split (3, 3) as it continues."""
+    uneven = dict(model={"n_layers": 6}, steps=UNEVEN_STEPS, pipeline_first_stage_layers=1, pipeline_last_stage_layers=1)
+    layouts = {"pp4 1-2-2-1": config(pipeline_parallel_size=4, batch_size=4, **uneven),
+               "pp2 vpp2 1-2-2-1": config(pipeline_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+                                          batch_size=2, **uneven)}
+    for label, cfg in layouts.items():
+        trainer = make_trainer(cfg, world)
+        per_rank = [[1], [2], [2], [1]] if cfg.pipeline_parallel_size == 4 else [[1, 2], [2, 1]]
+        assert [len(chunk.layers) for chunk in trainer.chunks] == per_rank[trainer.mesh.rank_in("pp")], label
+        metrics = [trainer.train_step(step) for step in range(1, UNEVEN_STEPS)]
+        if cfg.pipeline_parallel_size == 4:
+            saved = save_checkpoint(Path(root) / "uneven", UNEVEN_STEPS - 1, checkpoint_state_of(trainer, rank, 3),
+                                    dist.group.WORLD, rank, {})
+        metrics.append(trainer.train_step(UNEVEN_STEPS))
+        assert_matches(metrics, reference, label)
+    even = make_trainer(config(model={"n_layers": 6}, steps=UNEVEN_STEPS, pipeline_parallel_size=2, batch_size=2), world)
+    rng = RNGStreams(0, 0, torch.device("cpu"))
+    assert load_into(saved, checkpoint_state_of(even, rank, 0), rng, FixedSampler(), dist.group.WORLD) == 3
+    last = {key: values[-1:] for key, values in reference.items()}
+    assert_matches([even.train_step(UNEVEN_STEPS)], last, "the 1-2-2-1 checkpoint on the even pp2 split")
+
+
+def _pipeline_ranks(rank: int, world: int, reference: dict, reference_6_layers: dict, root: str) -> None:
+    _check_uneven_stages(rank, world, reference_6_layers[4], root)
     _check_p2p_memory_is_independent_of_the_microbatch_count(rank, world)
     _check_layouts(rank, world, reference)
     _check_one_concat_per_unit(rank, world)
@@ -164,8 +204,8 @@ def _pipeline_ranks(rank: int, world: int, reference: dict) -> None:
     _check_a_loader_of_other_shapes_is_refused(rank, world)
 
 
-def test_pipeline_layouts_match_one_process(reference):
-    run_ranks(4, _pipeline_ranks, reference)
+def test_pipeline_layouts_match_one_process(reference, reference_6_layers, tmp_path):
+    run_ranks(4, _pipeline_ranks, reference, reference_6_layers, str(tmp_path))
 
 
 def _composition(rank: int, world: int, reference: dict) -> None:

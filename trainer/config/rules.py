@@ -14,6 +14,7 @@ import torch
 from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
+from parallel.pipeline.layers import check_virtual_split, stage_layer_counts
 from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
 from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
@@ -33,7 +34,8 @@ _NON_NEGATIVE = (
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
-                      "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step", "make_vocab_size_divisible_by")
+                      "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step", "make_vocab_size_divisible_by",
+                      "pipeline_first_stage_layers", "pipeline_last_stage_layers")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows
@@ -224,11 +226,22 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
         if m.sequence_parallel:
             _divisible("seq_len / context_parallel_size", cfg.seq_len // cfg.context_parallel_size,
                        "model_parallel_size (model.sequence_parallel=true)", tp)
-    _divisible("model.n_layers", m.n_layers, "pipeline_parallel_size", cfg.pipeline_parallel_size)
-    if cfg.num_layers_per_virtual_pipeline_stage is not None:
-        stage_layers = cfg.pipeline_parallel_size * cfg.num_layers_per_virtual_pipeline_stage
-        _divisible("model.n_layers", m.n_layers,
-                   "pipeline_parallel_size x num_layers_per_virtual_pipeline_stage", stage_layers)
+    _check_stage_layers(cfg)
+
+
+def _check_stage_layers(cfg: TrainConfig) -> None:
+    """Every pipeline stage gets a whole, non-empty block of layers (parallel/pipeline/layers.py)."""
+    n, pp, per_stage = cfg.model.n_layers, cfg.pipeline_parallel_size, cfg.num_layers_per_virtual_pipeline_stage
+    first, last = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
+    if first is None and last is None:
+        _divisible("model.n_layers", n, "pipeline_parallel_size", pp)
+        if per_stage is not None:
+            _divisible("model.n_layers", n, "pipeline_parallel_size x num_layers_per_virtual_pipeline_stage",
+                       pp * per_stage)
+        return
+    if per_stage is not None:
+        check_virtual_split(n, pp, per_stage, first, last)
+    stage_layer_counts(n, pp, cfg.virtual_pipeline_stages, first, last)
 
 
 def _check_fp8(cfg: TrainConfig) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from model.args import ModelArgs
 from parallel.errors import ConfigError
+from parallel.pipeline.layers import virtual_stages
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class TrainConfig:
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
+    pipeline_first_stage_layers: int | None = None
+    pipeline_last_stage_layers: int | None = None
     pipeline_schedule: str = "1f1b"
     context_parallel_comm: str = "all_gather"
     compute_dtype: str | None = None
@@ -144,11 +147,10 @@ class TrainConfig:
 
     @property
     def virtual_pipeline_stages(self) -> int:
-        """Model chunks per pipeline rank: n_layers / (pp x layers per virtual stage); 1 when unset."""
-        per_stage = self.num_layers_per_virtual_pipeline_stage
-        if per_stage is None:
-            return 1
-        return self.model.n_layers // (self.pipeline_parallel_size * per_stage)
+        """Model chunks per pipeline rank: the stages of num_layers_per_virtual_pipeline_stage layers, plus
+        the first and last stage where their counts are set, over pp; 1 when unset."""
+        return virtual_stages(self.model.n_layers, self.pipeline_parallel_size, self.num_layers_per_virtual_pipeline_stage,
+                              self.pipeline_first_stage_layers, self.pipeline_last_stage_layers)
 
     @property
     def num_microbatches(self) -> int:

@@ -1,0 +1,22 @@
+"""The schedule a run will use, in one line for its log: what the simulator says of it."""
+
+from parallel.pipeline.schedule import effective_schedule, interleaved_group, pipeline_actions
+from parallel.pipeline.simulate import simulate
+
+
+def schedule_summary(schedule: str, pp: int, vpp: int, microbatches: int) -> str:
+    """Schedule, group size, simulated bubble (uniform costs, the runtime's non-blocking sends), peak
+    microbatches held, and whether plain 1F1B would finish first by the same measure."""
+    schedule = effective_schedule(schedule, vpp)
+    timeline = simulate(pipeline_actions(schedule, pp, vpp, microbatches), pp, vpp, sends_block=False)
+    text = f"pipeline schedule {schedule}: pp={pp} vpp={vpp} microbatches={microbatches}"
+    if schedule == "interleaved_1f1b":
+        text += f" group={interleaved_group(pp, vpp, microbatches)}"
+    text += (f", simulated bubble {timeline.bubble_fraction:.1%}, "
+             f"peak {max(timeline.peak_microbatches):.3g} microbatches held")
+    if schedule != "1f1b":
+        plain = simulate(pipeline_actions("1f1b", pp, 1, microbatches), pp, 1, sends_block=False)
+        # Equal total work: the smaller bubble is the shorter step.
+        faster = plain.bubble_fraction < timeline.bubble_fraction - 1e-9
+        text += f"; plain 1f1b (bubble {plain.bubble_fraction:.1%}) would be {'faster' if faster else 'no faster'}"
+    return text
