@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from trainer.data.prepare import prepare_dataset  # noqa: E402
-from trainer.data.sources import default_corpus_files, iter_documents  # noqa: E402
+from trainer.data.records import iter_documents  # noqa: E402
+from trainer.data.sources import default_corpus_files  # noqa: E402
 from trainer.data.tokenizer import load_tokenizer  # noqa: E402
 from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, write_hf_files  # noqa: E402
 

@@ -108,6 +108,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be in [0, 1)")
     if not 0.0 <= cfg.data.held_out_fraction <= 0.5:
         raise ConfigError(f"data.held_out_fraction={cfg.data.held_out_fraction} must be in [0, 0.5]")
+    if not 0.0 <= cfg.data.max_bad_fraction <= 1.0:
+        raise ConfigError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} must be in [0, 1]")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     for key in ("dump_profile_traces", "profile_with_stack"):

@@ -44,6 +44,9 @@ class DataConfig:
     cache_dir: str = ".cache/data"
     prepare_timeout_s: float = 3600.0
     held_out_fraction: float = 0.01
+    text_key: str = "text"
+    bad_records: str = "error"
+    max_bad_fraction: float = 0.001
 
 
 @dataclass
@@ -170,6 +173,7 @@ ENUMS = {
     "grad_reduce": ("last_microbatch", "per_microbatch"),
     "model.fp8_format": ("hybrid", "e4m3"),
     "model.fp8_amax_compute_algo": ("max", "most_recent"),
+    "data.bad_records": ("error", "skip"),
 }
 
 # Capabilities not built yet: (key, the value that is supported today).

@@ -11,6 +11,7 @@ from trainer.config.schema import TrainConfig
 from trainer.config.vocab import vocab_padding
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
+from trainer.data.records import RecordFormat
 from trainer.data.sampler import GlobalBatchSampler, HeldOutSampler, split_windows
 from trainer.data.tokenizer import Tokenizer, choose_tokenizer
 
@@ -33,6 +34,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
         cfg.data.source, choice.path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=same_data_on_every_rank,
         tokenizer_key=choice.key, padding=vocab_padding(cfg),
+        fmt=RecordFormat(cfg.data.text_key, cfg.data.bad_records, cfg.data.max_bad_fraction),
     )
     global_batch = cfg.batch_size * dp_size
     tokens.num_sequences(cfg.seq_len)  # refuses data shorter than one sequence in a line naming seq_len

@@ -42,11 +42,13 @@ class CachePaths:
         return is_complete(self.tokens) and (tokenizer_given or self.tokenizer.is_file())
 
 
-def cache_key(sources: str, vocab_size: int, tokenizer: Tokenizer | None) -> str:
+def cache_key(sources: str, vocab_size: int, tokenizer: Tokenizer | None, text_key: str = "text") -> str:
     # A given tokenizer is keyed by content, so replacing the file at the same path rebuilds; and by its own
     # size, not model.vocab_size's: a padded model packs the same tokens.
     recipe = tokenizer.sha256 if tokenizer else trainer_settings_fingerprint()
     parts = [CACHE_VERSION, sources, tokenizer.vocab_size if tokenizer else vocab_size, recipe]
+    if text_key != "text":  # another field packs other text; the default adds nothing, so older caches stay valid
+        parts.append(text_key)
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -63,7 +65,8 @@ def marking_errors(marker: Path) -> Iterator[None]:
 def write_error_marker(marker: Path, exc: Exception) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_name(f".{marker.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"type": type(exc).__name__, "message": str(exc).strip()}))
+    kind = "ConfigError" if isinstance(exc, ConfigError) else type(exc).__name__  # its subclasses too (BadRecord)
+    tmp.write_text(json.dumps({"type": kind, "message": str(exc).strip()}))
     os.replace(tmp, marker)
 
 

@@ -13,6 +13,7 @@ from parallel.errors import ConfigError
 from trainer.config.vocab import VocabPadding
 from trainer.data.cache import CachePaths, cache_key, marking_errors, wait_for_main_rank
 from trainer.data.heartbeat import Heartbeat
+from trainer.data.records import RecordFormat, check_skipped
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
 from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
 from trainer.data.tokenizer import Tokenizer, load_given_tokenizer
@@ -31,6 +32,7 @@ def prepare_dataset(
     agree: Callable[[str], None] = lambda key: None,
     tokenizer_key: str = "data.tokenizer",
     padding: VocabPadding | None = None,
+    fmt: RecordFormat = RecordFormat(),
 ) -> tuple[Tokenizer, PackedTokens]:
     """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
 
@@ -40,14 +42,16 @@ def prepare_dataset(
     (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
     main rank's heartbeat did not change. `tokenizer_key` names where `tokenizer_path` came from.
     `vocab_size` is model.vocab_size: the size of a tokenizer trained here, and at least a given one's
-    (`padding`: make_vocab_size_divisible_by's rule, trainer/config/vocab.py).
+    (`padding`: make_vocab_size_divisible_by's rule, trainer/config/vocab.py). `fmt`: how documents are
+    read (data.text_key, data.bad_records, data.max_bad_fraction); every rank checks the bad records the
+    packed tokens skipped against it, cached or not.
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
     files, left_out, links = list_source(source)
     given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding)
     sources = sources_fingerprint(files)
-    key = cache_key(sources, vocab_size, given)
+    key = cache_key(sources, vocab_size, given, fmt.text_key)
     agree(key)
     paths = CachePaths(Path(cache_dir), key)
     if paths.complete(given is not None):  # nothing is written: a complete cache may be on a read-only mount
@@ -67,7 +71,7 @@ def prepare_dataset(
             log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
                 f"e.g. {link} (read as {kept})")
         with Heartbeat(paths.progress, timeout_s), marking_errors(paths.error):
-            _build(files, sources, vocab_size, given, paths, log)
+            _build(files, sources, vocab_size, given, paths, log, fmt)
     else:
         wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or SentencePieceTokenizer(paths.tokenizer)
@@ -76,6 +80,9 @@ def prepare_dataset(
         # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
         raise ConfigError(f"data.cache_dir: {paths.tokens} was packed with another tokenizer than "
                           f"{tokenizer.path}; delete {paths.tokens} to pack the data again")
+    skipped = check_skipped(tokens.meta, fmt, paths.tokens)
+    if skipped and is_main_rank:
+        log(skipped)
     return tokenizer, tokens
 
 
@@ -86,6 +93,7 @@ def _build(
     given: Tokenizer | None,
     paths: CachePaths,
     log: Callable[[str], None],
+    fmt: RecordFormat,
 ) -> None:
     log(f"data: preparing {len(files)} files into {paths.tokens}")
     remove_killed_writes(paths.tokens, log)  # first: a killed write can be as large as the tokens
@@ -94,14 +102,15 @@ def _build(
         if not paths.tokenizer.is_file():
             start = time.monotonic()
             log(f"data: training a BPE tokenizer, vocab_size={vocab_size}")
-            train_tokenizer(files, vocab_size, paths.tokenizer)
+            train_tokenizer(files, vocab_size, paths.tokenizer, fmt)
             if sources_fingerprint(files) != sources:  # trained on text the tokens would not be packed from
                 paths.tokenizer.unlink()
                 raise ConfigError(SOURCE_CHANGED)
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
         tokenizer = SentencePieceTokenizer(paths.tokenizer)
     start = time.monotonic()
-    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources)
+    write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources,
+                        fmt=fmt)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")
 
 

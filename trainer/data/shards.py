@@ -20,7 +20,8 @@ from typing import BinaryIO
 import numpy as np
 
 from parallel.errors import ConfigError
-from trainer.data.sources import SOURCE_CHANGED, iter_documents, sources_fingerprint
+from trainer.data.records import RecordCount, RecordFormat, iter_documents
+from trainer.data.sources import SOURCE_CHANGED, sources_fingerprint
 from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir, remove_stale_temp_dirs
 from trainer.data.tokenizer import Tokenizer
 
@@ -120,15 +121,17 @@ def write_packed_tokens(
     num_threads: int = 2,
     *,
     sources: str,
+    fmt: RecordFormat = RecordFormat(),
 ) -> Path:
     """Tokenizes `text_files` into `out_dir` (tokens.bin + meta.json), atomically. `sources` is their
     sources_fingerprint when the caller decided to pack them (the cache key's): files that changed
-    since (written to during tokenizer training or packing) are refused rather than published."""
+    since (written to during tokenizer training or packing) are refused rather than published. `fmt`: how
+    documents are read; meta.json records the bad records skipped."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = make_writer_temp_dir(out_dir.parent, _temp_prefix(out_dir))
     try:
-        meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads)
+        meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads, fmt)
         if meta["sources_fingerprint"] != sources:
             raise ConfigError(SOURCE_CHANGED)
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -153,14 +156,16 @@ def _temp_prefix(out_dir: Path) -> str:
 
 
 def _write_tokens(
-    text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None], num_threads: int
+    text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None], num_threads: int,
+    fmt: RecordFormat,
 ) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
     progress = _Progress(len(text_files), sum(p.stat().st_size for p in text_files), report)
+    count = RecordCount()
     with open(path, "wb") as out:
         packer = _Packer(tokenizer, out, dtype, progress, num_threads)
         for file_path in text_files:
-            for document in iter_documents(file_path):
+            for document in iter_documents(file_path, fmt, count):
                 packer.add(document)
             packer.end_file()
         packer.flush()
@@ -179,6 +184,7 @@ def _write_tokens(
         "num_documents": packer.num_documents,
         "num_files": len(text_files),
         "sources_fingerprint": sources_fingerprint(text_files),
+        **count.meta(),
     }
 
 

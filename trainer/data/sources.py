@@ -1,21 +1,21 @@
 """Where the training text comes from: `data.source`'s files (or, by default, the Python standard library's
-own source: real text on every machine, with no download), the documents each file holds, and a cheap
-fingerprint of them all. Both the tokenizer's training and the packing read documents through here, so
-they agree on what a document is.
+own source: real text on every machine, with no download), which of them hold JSON lines, whether each is
+text, and a cheap fingerprint of them all (of the files' bytes as stored, compressed or not). records.py
+reads the documents in them.
 """
 
 import hashlib
-import json
 import os
 import sysconfig
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 from parallel.errors import ConfigError
+from trainer.data.compression import CORRUPT_ERRORS, compression_of, open_decompressed
 
-SOURCE_SUFFIXES = (".txt", ".jsonl", ".md", ".py")
+JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+SOURCE_SUFFIXES = (".txt", *JSON_LINES_SUFFIXES, ".md", ".py")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 
@@ -77,7 +77,12 @@ def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
 
 
 def _is_source_suffix(path: Path) -> bool:
-    return path.suffix.lower() in SOURCE_SUFFIXES  # NOTES.TXT is text as notes.txt is
+    return path.name.lower().endswith(SOURCE_SUFFIXES)  # NOTES.TXT is text as notes.txt is
+
+
+def is_json_lines(path: Path) -> bool:
+    """Whether `path` holds one JSON record a line (compressed or not), rather than one document."""
+    return path.name.lower().endswith(JSON_LINES_SUFFIXES)
 
 
 def _relative_name(root: Path, path: Path) -> str:
@@ -86,7 +91,7 @@ def _relative_name(root: Path, path: Path) -> str:
 
 def _check_text_file(path: Path, source: str) -> None:
     """A file named on its own is checked on every rank before anything else; a folder's files are
-    filtered by suffix here and checked as the main rank reads them (iter_documents)."""
+    filtered by suffix here and checked as the main rank reads them (records.py)."""
     if not _is_source_suffix(path):
         raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
     reason = not_text_reason(path)
@@ -117,10 +122,13 @@ TEXT_CHECK_BYTES = 1 << 20  # how much of each source file must be UTF-8 text
 def not_text_reason(path: Path) -> str | None:
     """Why `path` is not UTF-8 text, or None. Checked on its first TEXT_CHECK_BYTES only: a file in
     another encoding (UTF-16, Latin-1) or a binary one shows there, while a stray bad byte further on
-    is replaced when read rather than fatal."""
-    with path.open("rb") as f:
-        head = f.read(TEXT_CHECK_BYTES)
-        whole_file = not f.read(1)
+    is replaced when read rather than fatal. A compressed file is checked on its decompressed text."""
+    try:
+        with open_decompressed(path) as f:
+            head = f.read(TEXT_CHECK_BYTES)
+            whole_file = not f.read(1)
+    except CORRUPT_ERRORS as exc:
+        return f"is not a readable {compression_of(path)} file ({exc})"
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -129,43 +137,6 @@ def not_text_reason(path: Path) -> str | None:
     if b"\0" in head:
         return "is not text (it contains NUL bytes)"
     return None
-
-
-def iter_documents(path: Path) -> Iterator[str]:
-    """Yields the documents of one file: each line's "text" for .jsonl, else the whole file, as written
-    (line endings kept: CRLF stays CRLF). A document with no text (an empty file or "text") is none."""
-    reason = not_text_reason(path)
-    if reason is not None:
-        raise ConfigError(f"data.source file {path} {reason}")
-    if path.suffix.lower() != ".jsonl":
-        with path.open(encoding="utf-8", errors="replace", newline="") as f:
-            text = f.read()
-        if text:
-            yield text
-        return
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip() and (text := _jsonl_text(line, path, line_no)):
-                yield text
-
-
-def _jsonl_text(line: str, path: Path, line_no: int) -> str:
-    where = f"data.source={path}:{line_no}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from exc
-    except (RecursionError, ValueError) as exc:  # valid JSON past Python's limits: nesting, integer digits
-        raise ConfigError(f"{where} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ConfigError(f'{where} has no string "text" field')
-    text = record["text"]
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer takes
-        raise ConfigError(f'{where}: its "text" is not Unicode text ({exc.reason} {text[exc.start]!r} at '
-                          f"character {exc.start})") from exc
-    return text
 
 
 _SAMPLE_BYTES = 4096

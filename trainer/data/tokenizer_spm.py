@@ -17,7 +17,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from parallel.errors import ConfigError
-from trainer.data.sources import iter_documents
+from trainer.data.records import RecordCount, RecordFormat, iter_documents
 from trainer.outputs import TOKENIZER_FILE
 
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
@@ -137,11 +137,12 @@ class _TrainingLines:
     """Non-blank corpus lines in file order, capped at `max_lines` (a deterministic cap).
 
     sentencepiece turns an exception raised inside its sentence iterator into an opaque RuntimeError,
-    so the iterator keeps the original one for `train_tokenizer` to re-raise.
+    so the iterator keeps the original one for `train_tokenizer` to re-raise. The bad records it skips are
+    not counted: the packing reads every record again and counts them once.
     """
 
-    def __init__(self, text_files: list[Path], max_lines: int) -> None:
-        self._text_files = text_files
+    def __init__(self, text_files: list[Path], max_lines: int, fmt: RecordFormat) -> None:
+        self._text_files, self._fmt = text_files, fmt
         self._max_lines = max_lines
         self.error: Exception | None = None
         self.yielded = self.too_long = 0  # lines given to sentencepiece, and those it will skip as too long
@@ -155,7 +156,7 @@ class _TrainingLines:
     def _lines(self) -> Iterator[str]:
         count = 0
         for path in self._text_files:
-            for document in iter_documents(path):
+            for document in iter_documents(path, self._fmt, RecordCount()):
                 for line in document.splitlines():
                     if not line.strip():
                         continue
@@ -173,10 +174,11 @@ def check_trainable_vocab_size(vocab_size: int) -> None:
                           f"data.source has 256 byte pieces and the special ones)")
 
 
-def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path) -> Path:
-    """Trains a byte-fallback BPE model on `text_files` and writes it atomically to `model_path`."""
+def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, fmt: RecordFormat = RecordFormat()) -> Path:
+    """Trains a byte-fallback BPE model on `text_files` (their documents read as `fmt` says) and writes it
+    atomically to `model_path`."""
     check_trainable_vocab_size(vocab_size)
-    lines = _TrainingLines(text_files, MAX_TRAINING_LINES)
+    lines = _TrainingLines(text_files, MAX_TRAINING_LINES, fmt)
     # In memory and without a model_prefix: the prefix would be recorded in the model, which must
     # depend only on the corpus and the settings to be byte-identical across runs.
     model = io.BytesIO()

@@ -19,7 +19,8 @@ from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.shards import TOKENS_FILE, PackedTokens, is_complete, write_packed_tokens
-from trainer.data.sources import default_corpus_files, iter_documents, list_source, sources_fingerprint
+from trainer.data.records import iter_documents
+from trainer.data.sources import default_corpus_files, list_source, sources_fingerprint
 from trainer.data.tokenizer_spm import SentencePieceTokenizer
 from trainer.data.tokenizer_spm import train_tokenizer
 
@@ -292,8 +293,8 @@ def test_a_tokenizer_trained_on_a_source_written_to_meanwhile_is_not_kept(corpus
                                                                           monkeypatch) -> None:
     train = data.train_tokenizer
 
-    def train_while_a_file_changes(files, vocab_size, model_path):
-        path = train(files, vocab_size, model_path)
+    def train_while_a_file_changes(files, vocab_size, model_path, fmt):
+        path = train(files, vocab_size, model_path, fmt)
         files[0].touch()  # a writer appends during training: the mtime moves
         return path
 

@@ -8,7 +8,8 @@ import pytest
 from parallel.errors import ConfigError
 from trainer.data import prepare as data_module
 from trainer.data.prepare import prepare_dataset
-from trainer.data.sources import iter_documents, list_source, sources_fingerprint
+from trainer.data.records import iter_documents
+from trainer.data.sources import list_source, sources_fingerprint
 
 
 class _Stop(Exception):
@@ -65,7 +66,7 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
     assert [p.name for p in left_out] == ["model.bin"]
     assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
     logs = _logs_until_building(root, tmp_path, monkeypatch)
-    assert f"data: left out 1 file(s) under data.source={root} that are not .txt/.jsonl/.md/.py, e.g. " \
+    assert f"data: left out 1 file(s) under data.source={root} that are not .txt/.jsonl/.jsonl.gz/.jsonl.zst/.md/.py, e.g. " \
            f"{root / 'model.bin'}" in logs
 
 
