@@ -146,6 +146,8 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["optim.decay_style=linear", "optim.min_lr_ratio=1"], 1, "optim.decay_style=linear needs optim.min_lr_ratio < 1"),
         (["optim.decay_steps=50", "optim.min_lr_ratio=1"], 1, "optim.decay_steps=50 needs optim.min_lr_ratio < 1"),
         (["optim.decay_style=square"], 1, "optim.decay_style=square is not one of: cosine | linear"),
+        (["data.bad_records=drop"], 1, "data.bad_records=drop is not one of: error | skip"),
+        (["data.max_bad_fraction=1.5"], 1, "data.max_bad_fraction=1.5 must be in [0, 1]"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
         (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
         (["model.rope_scaling={type:yarn}"], 1,
