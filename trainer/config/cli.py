@@ -1,5 +1,5 @@
-"""The command line before the trainer runs: hydra overrides checked into one `error:` line, and how
-every rank exits on bad input.
+"""The command line before the trainer runs: hydra overrides checked into one `error:` line, the composed
+config resolved (train.py, scripts/inspect_data.py), and how every rank exits on bad input.
 
 Without torch, so that the launchers (the Slurm batch script, submitit, TorchX, the sweep launchers)
 check a job's overrides in about a second (not the several that importing torch takes) before
