@@ -11,15 +11,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from torch.distributed import DistBackendError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
-from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger
+from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger, resolved
 from trainer.config.hf_model import fill_hf_model
 from trainer.config.schema import from_dict
 from trainer.run import run
@@ -86,15 +85,6 @@ def lost_a_peer(e: Exception) -> bool:
     """A communication error because another rank went away (gloo's and NCCL's wordings)."""
     text = str(e)
     return isinstance(e, DistBackendError) or "remote worker" in text or "Connection closed by peer" in text
-
-
-def resolved(raw: DictConfig) -> dict:
-    """The config with interpolations resolved; a broken one (`seed=${nope}`) is one line naming its key."""
-    try:
-        return OmegaConf.to_container(raw, resolve=True)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key + ': ' if key else ''}{str(e).splitlines()[0]}") from e
 
 
 @record

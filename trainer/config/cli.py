@@ -1,5 +1,5 @@
-"""The command line before the trainer runs: hydra overrides checked into one `error:` line, and how
-every rank exits on bad input.
+"""The command line before the trainer runs: hydra overrides checked into one `error:` line, the composed
+config resolved (train.py, scripts/inspect_data.py), and how every rank exits on bad input.
 
 Without torch, so that the launchers (the Slurm batch script, submitit, TorchX, the sweep launchers)
 check a job's overrides in about a second (not the several that importing torch takes) before
@@ -16,9 +16,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 from trainer.config.schema import unknown_key
 
@@ -88,6 +89,15 @@ def exit_on_bad_input(message: str, launch: LaunchEnv, code: int) -> None:
     else:
         linger(RANK0_FIRST_S)
     sys.exit(code)
+
+
+def resolved(raw: DictConfig) -> dict:
+    """The config with interpolations resolved; a broken one (`seed=${nope}`) is one line naming its key."""
+    try:
+        return OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key + ': ' if key else ''}{str(e).splitlines()[0]}") from e
 
 
 def linger(seconds: float) -> None:

@@ -24,15 +24,17 @@ class Data(NamedTuple):
 
 
 def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Callable[[str], None],
-               resumed: Path | None) -> Data:
+               resumed: Path | None, agree: Callable[[str], None] | None = None) -> Data:
     """This data-parallel rank's data. `rank`: the global rank (rank 0 prepares the cache); `resumed`: the
-    checkpoint the run continues, whose copy of the tokenizer it keeps (None: a fresh start)."""
+    checkpoint the run continues, whose copy of the tokenizer it keeps (None: a fresh start); `agree`: how
+    the ranks check that they read the same data (None: same_data_on_every_rank, a collective; a process
+    alone, scripts/inspect_data.py, has no peer to ask)."""
     choice = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
     if choice.note:
         log(choice.note)
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, choice.path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
-        is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=same_data_on_every_rank,
+        is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=agree or same_data_on_every_rank,
         tokenizer_key=choice.key, padding=vocab_padding(cfg),
         fmt=RecordFormat(cfg.data.text_key, cfg.data.bad_records, cfg.data.max_bad_fraction),
     )
