@@ -267,7 +267,7 @@ def test_a_damaged_newest_checkpoint_says_how_to_use_the_previous_one(tmp_path, 
 
 
 @pytest.mark.parametrize("content, name, fragment", [
-    (os.urandom(50_000), "random.bin", "is not a .txt/.jsonl/.md/.py file"),
+    (os.urandom(50_000), "random.bin", "is not a .txt/.jsonl/.jsonl.gz/.jsonl.zst/.md/.py file"),
     (b"\xff\xfe" + os.urandom(50_000), "random.txt", "is not UTF-8 text"),
     (b"", "empty.txt", "holds no text"),
     (b"x" * 70_000, "one_line.txt", "no line shorter than 65536 bytes"),
