@@ -264,7 +264,8 @@ def _check_fp8(cfg: TrainConfig) -> None:
 TE_MIN_MAJOR = 2  # as the te extra in pyproject.toml requires
 
 # Keys that change nothing unless another key allows it: set away from the default without it, they
-# would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
+# would be silently ignored, so they are refused; a value that asks for what the config already gives is
+# accepted. (key, what it needs, whether the config has it or asks for nothing it lacks)
 _NEEDS = (
     *((key, "model.use_fp8=true (it changes fp8 GEMMs only)", lambda c: c.model.use_fp8) for key in FP8_KEYS),
     ("eval.steps", "eval.freq > 0", lambda c: c.eval.freq > 0),
@@ -272,7 +273,8 @@ _NEEDS = (
      lambda c: c.checkpoint.freq > 0),
     ("checkpoint.keep", "checkpoint.freq > 0 or a stop_signal (nothing else saves)",
      lambda c: c.checkpoint.freq > 0 or c.stop_signal is not None),
-    ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps),
+    # log_freq=1 asks for what log_all_steps=true gives (every step logged): nothing is ignored.
+    ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps or c.log_freq == 1),
     *((key, "optim.min_lr_ratio < 1 (with 1 the LR stays at optim.lr after warmup)",
        lambda c: c.optim.decays) for key in ("optim.decay_style", "optim.decay_start", "optim.decay_steps")),
 )

@@ -150,6 +150,7 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["data.max_bad_fraction=1.5"], 1, "data.max_bad_fraction=1.5 must be in [0, 1]"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
         (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
+        (["log_all_steps=true", "log_freq=2"], 1, "log_freq=2 needs log_all_steps=false"),
         (["model.rope_scaling={type:yarn}"], 1,
          "model.rope_scaling.type=yarn is not supported: only llama3 (Llama 3.1's RoPE scaling) is"),
         (["model.rope_scaling={factor:0.5}"], 1, "model.rope_scaling.factor=0.5 must be >= 1"),
@@ -168,6 +169,13 @@ def test_rule_violations_are_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as err:
         validate(load(*overrides), world_size=world)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_that_ask_for_what_another_gives_are_accepted():
+    """log_freq=1 and log_all_steps=true both log every step: nothing the user asked for is ignored."""
+    cfg = load("log_all_steps=true", "log_freq=1")
+    validate(cfg, world_size=1)
+    assert cfg.log_freq == 1 and cfg.log_all_steps
 
 
 def test_keys_a_layout_makes_no_ops_are_accepted_and_named_in_the_log():
