@@ -25,12 +25,13 @@ from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-    "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
+    "model.multiple_of", "model.norm_eps", "model.rope_theta", "data.prepare_timeout_s",
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
     "model.fp8_amax_history_len", "eval.steps", "comm_timeout_s",
 )
+# optim.lr=0 trains nothing on purpose (checking an import, measuring a frozen model): a note at start.
 _NON_NEGATIVE = (
-    "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
+    "optim.lr", "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
@@ -308,6 +309,15 @@ def layout_noops(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
     """The keys set away from their default that change nothing on this layout, for the log."""
     return [f"{setting(cfg, key)} changes nothing on this layout: it needs {needs}"
             for key, needs in inert_keys(cfg, dims).items() if get_key(cfg, key) != get_key(_DEFAULTS, key)]
+
+
+def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
+    """What the log says at start-up about settings that are accepted but change less than they seem."""
+    notes = layout_noops(cfg, dims)
+    if cfg.optim.lr == 0:
+        notes.append("optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a "
+                     "weight decay of 0); the loss measures the model as loaded")
+    return notes
 
 
 def _check_te_combinations(cfg: TrainConfig) -> None:

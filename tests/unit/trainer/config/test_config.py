@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from model.args import RopeScaling
 from parallel.errors import ConfigError
 from tests import REPO
-from trainer.config.rules import layout_noops, validate
+from trainer.config.rules import layout_noops, start_notes, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
 
 CONF = REPO / "conf"
@@ -176,6 +176,17 @@ def test_settings_that_ask_for_what_another_gives_are_accepted():
     cfg = load("log_all_steps=true", "log_freq=1")
     validate(cfg, world_size=1)
     assert cfg.log_freq == 1 and cfg.log_all_steps
+
+
+def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused():
+    frozen = load("optim.lr=0")
+    assert start_notes(frozen, validate(frozen, world_size=1)) == [
+        "optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a weight decay of 0); "
+        "the loss measures the model as loaded"]
+    default = load()
+    assert start_notes(default, validate(default, world_size=1)) == []
+    with pytest.raises(ConfigError, match=r"^optim.lr=-0.001 must be >= 0$"):
+        validate(load("optim.lr=-1e-3"), world_size=1)
 
 
 def test_keys_a_layout_makes_no_ops_are_accepted_and_named_in_the_log():
