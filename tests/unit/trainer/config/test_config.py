@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from model.args import RopeScaling
 from parallel.errors import ConfigError
 from tests import REPO
+from parallel.launch_env import LaunchEnv
+from trainer.config.cli import check_overrides
 from trainer.config.rules import layout_noops, start_notes, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
 
@@ -187,6 +189,29 @@ def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused
     assert start_notes(default, validate(default, world_size=1)) == []
     with pytest.raises(ConfigError, match=r"^optim.lr=-0.001 must be >= 0$"):
         validate(load("optim.lr=-1e-3"), world_size=1)
+
+
+def test_an_unquoted_tilde_says_how_to_write_it(capsys):
+    """The shell leaves `~` after `=` as it is, and hydra's grammar refuses it with a bare lexer error."""
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(["data.source=~/corpus"], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False,
+                                                            run_id="t"))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: data.source=~/corpus: `~` must be quoted or expanded by the shell, e.g. data.source='~/corpus' (the "
+        "trainer expands a leading ~ in its path keys) or data.source=$HOME/corpus\n")
+
+
+def test_a_quoted_tilde_in_a_path_key_is_expanded(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    check_overrides(["data.source='~/corpus'"], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False,
+                                                         run_id="t"))
+    cfg = load("data.source='~/corpus'", "data.tokenizer='~/tok.model'", "data.cache_dir='~/cache'",
+               "checkpoint.init_from_hf='~/llama'", "dump_dir='~/runs/a'")
+    assert (cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir, cfg.checkpoint.init_from_hf, cfg.dump_dir) == (
+        "/home/someone/corpus", "/home/someone/tok.model", "/home/someone/cache", "/home/someone/llama",
+        "/home/someone/runs/a")
+    assert load().data.source == "stdlib" and load().checkpoint.init_from_hf is None
 
 
 def test_keys_a_layout_makes_no_ops_are_accepted_and_named_in_the_log():
