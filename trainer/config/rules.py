@@ -31,7 +31,8 @@ _POSITIVE = (
 )
 # optim.lr=0 trains nothing on purpose (checking an import, measuring a frozen model): a note at start.
 _NON_NEGATIVE = (
-    "optim.lr", "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
+    "optim.lr", "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps",
+    "optim.clip_grad_norm",
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
