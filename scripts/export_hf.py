@@ -193,11 +193,16 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+DESCRIPTION = ("Export a training checkpoint as a Hugging Face Llama folder: config.json, the weights "
+               "(safetensors, sharded past --max-shard-size) and the run's tokenizer.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("checkpoint", type=Path, help="a step_N folder under {dump_dir}/checkpoints")
     parser.add_argument("out", type=Path, help="a new or empty folder to write the Hugging Face model into")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="the dtype of the exported weights (default: fp32)")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="leave the tokenizer files out (for a tokenizer transformers would read otherwise)")
     parser.add_argument("--max-position-embeddings", type=int, metavar="N",

@@ -19,7 +19,7 @@ from parallel import comm
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 from parallel.mesh import ParallelDims, ParallelMesh, init_process_group, shutdown_process_groups
-from trainer.config.rules import layout_noops
+from trainer.config.rules import start_notes
 from trainer.config.schema import TrainConfig, flat_values
 from trainer.determinism import enable_deterministic, seed_everything
 from trainer.outputs import STOPPED_FILE, output_folders
@@ -54,7 +54,7 @@ def exit_with_launcher() -> None:
 def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     """Train with a validated config (trainer.config.rules.validate gave `dims`)."""
     stop_request = StopRequest(cfg.stop_signal)  # first: a stop signal during start-up is kept
-    for note in layout_noops(cfg, dims):
+    for note in start_notes(cfg, dims):
         log0(launch.rank, note)
     if launch.torchrun:
         exit_with_launcher()

@@ -118,9 +118,12 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
     # The fp8 format may change only where no saved scales carry over.
     refused = {"model.fp8_format"} if fp8_state_carries_over else set()
     differs = [key for key in current if saved.get(key) != current[key]]
-    changed = [key for key in differs if key not in allowed or key in refused]
+    same_lrs = _decay_end_changes_no_lr_used(checkpoint, saved, current)
+    changed = [key for key in differs if (key not in allowed or key in refused)
+               and not (key == "optim.decay_steps" and same_lrs)]
     if not changed:
-        return [f"{key} {saved.get(key)!r} -> {current[key]!r}" for key in differs]
+        return [f"{key} {saved.get(key)!r} -> {current[key]!r}"
+                + (f" ({same_lrs})" if key == "optim.decay_steps" and same_lrs else "") for key in differs]
     parts = []
     for key in changed:
         hint = _FORMAT_HINT if key in refused else _hint(key, saved, current)
@@ -131,6 +134,28 @@ def check_resumable(checkpoint: Path, current: dict[str, Any], allowed: list[str
         f"resuming from {checkpoint} would change the run: {'; '.join(parts)}. Use a new dump_dir for a "
         f"different run{remedy}"
     )
+
+
+def _decay_end_changes_no_lr_used(checkpoint: Path, saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """Why a moved decay end changes no LR the checkpoint's steps used ("" if it does, or is not known):
+    every step up to where the decay starts (the end of warmup, or optim.decay_start) has the same LR
+    whatever the end (trainer/optimizer.py lr_at), so a run that stopped there may be extended."""
+    taken = _step_of(checkpoint)
+    old, new = saved.get("optim.decay_steps"), current.get("optim.decay_steps")
+    if taken is None or not isinstance(old, int) or not isinstance(new, int):
+        return ""  # a constant-LR run gaining a decay is optim.min_lr_ratio's change
+    starts = [fp.get("optim.decay_start") if fp.get("optim.decay_start") is not None else fp.get("optim.warmup_steps")
+              for fp in (saved, current)]
+    if not all(isinstance(start, int) for start in starts) or taken > min(starts):
+        return ""
+    return (f"accepted: the checkpoint's {taken} steps all came before the LR decay, which starts after step "
+            f"{min(starts)}, so every LR they used stays the same")
+
+
+def _step_of(checkpoint: Path) -> int | None:
+    """The step of a step_N checkpoint folder; None for any other name."""
+    prefix, _, number = checkpoint.name.partition("_")
+    return int(number) if prefix == "step" and number.isdigit() else None
 
 
 def _hint(key: str, saved: dict[str, Any], current: dict[str, Any]) -> str:

@@ -90,6 +90,7 @@ def resume(
         changes = check_resumable(path, fingerprint, cfg.resume.allow_changed)
         step = load_into(path, state(), rng, sampler, group)
         log(f"resumed from {path} (step {step})" + (
-            f"; changed as resume.allow_changed permits: {', '.join(changes)}" if changes else ""))
+            f"; changed (as resume.allow_changed permits, or changing no step taken): {', '.join(changes)}"
+            if changes else ""))
     check_history(dump_dir, step, job)
     return step

@@ -46,7 +46,7 @@ def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
             compose(config_name="config", overrides=overrides)
     except HydraException as e:
         unknown = unknown_override_key(e)
-        exit_on_bad_input(unknown_key(unknown) if unknown else one_line(e), launch, code=2)
+        exit_on_bad_input(unknown_key(unknown) if unknown else unquoted_tilde(e) or one_line(e), launch, code=2)
     except ValueError as e:  # hydra's own wording for e.g. `data=null` or `optim=3`, without the override
         offending = [o for o in overrides if is_bad_group_choice(o)] or overrides
         exit_on_bad_input(f"{' '.join(offending)}: {e}", launch, code=2)
@@ -61,6 +61,20 @@ def unknown_override_key(e: HydraException) -> str | None:
         return None
     key = named.group(1)
     return None if key.startswith("hydra.") else key
+
+
+def unquoted_tilde(e: HydraException) -> str | None:
+    """`data.source=~/corpus`: the shell leaves a `~` after `=` unexpanded, and hydra's grammar has no
+    unquoted `~` (its lexer error names neither): say how to write it."""
+    override = getattr(e, "override", None)
+    if not isinstance(e, OverrideParseException) or not isinstance(override, str) or "=" not in override:
+        return None
+    key, _, value = override.partition("=")
+    if "~" not in value or value[:1] in "'\"":
+        return None
+    home = f" or {key}=$HOME/{value[2:]}" if value.startswith("~/") else ""
+    return (f"{override}: `~` must be quoted or expanded by the shell, e.g. {key}='{value}' (the trainer expands a "
+            f"leading ~ in its path keys){home}")
 
 
 def is_bad_group_choice(override: str) -> bool:

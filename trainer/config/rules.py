@@ -25,12 +25,14 @@ from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
     "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-    "model.multiple_of", "model.norm_eps", "model.rope_theta", "optim.lr", "data.prepare_timeout_s",
+    "model.multiple_of", "model.norm_eps", "model.rope_theta", "data.prepare_timeout_s",
     "model_parallel_size", "pipeline_parallel_size", "context_parallel_size", "dp_replicate",
     "model.fp8_amax_history_len", "eval.steps", "comm_timeout_s",
 )
+# optim.lr=0 trains nothing on purpose (checking an import, measuring a frozen model): a note at start.
 _NON_NEGATIVE = (
-    "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps", "optim.clip_grad_norm",
+    "optim.lr", "seed", "profile_freq", "checkpoint.freq", "checkpoint.keep", "optim.warmup_steps",
+    "optim.clip_grad_norm",
     "optim.weight_decay", "model.fp8_margin", "eval.freq",
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
@@ -264,7 +266,8 @@ def _check_fp8(cfg: TrainConfig) -> None:
 TE_MIN_MAJOR = 2  # as the te extra in pyproject.toml requires
 
 # Keys that change nothing unless another key allows it: set away from the default without it, they
-# would be silently ignored, so they are refused. (key, what it needs, whether the config has it)
+# would be silently ignored, so they are refused; a value that asks for what the config already gives is
+# accepted. (key, what it needs, whether the config has it or asks for nothing it lacks)
 _NEEDS = (
     *((key, "model.use_fp8=true (it changes fp8 GEMMs only)", lambda c: c.model.use_fp8) for key in FP8_KEYS),
     ("eval.steps", "eval.freq > 0", lambda c: c.eval.freq > 0),
@@ -272,7 +275,8 @@ _NEEDS = (
      lambda c: c.checkpoint.freq > 0),
     ("checkpoint.keep", "checkpoint.freq > 0 or a stop_signal (nothing else saves)",
      lambda c: c.checkpoint.freq > 0 or c.stop_signal is not None),
-    ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps),
+    # log_freq=1 asks for what log_all_steps=true gives (every step logged): nothing is ignored.
+    ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps or c.log_freq == 1),
     *((key, "optim.min_lr_ratio < 1 (with 1 the LR stays at optim.lr after warmup)",
        lambda c: c.optim.decays) for key in ("optim.decay_style", "optim.decay_start", "optim.decay_steps")),
 )
@@ -306,6 +310,15 @@ def layout_noops(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
     """The keys set away from their default that change nothing on this layout, for the log."""
     return [f"{setting(cfg, key)} changes nothing on this layout: it needs {needs}"
             for key, needs in inert_keys(cfg, dims).items() if get_key(cfg, key) != get_key(_DEFAULTS, key)]
+
+
+def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
+    """What the log says at start-up about settings that are accepted but change less than they seem."""
+    notes = layout_noops(cfg, dims)
+    if cfg.optim.lr == 0:
+        notes.append("optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a "
+                     "weight decay of 0); the loss measures the model as loaded")
+    return notes
 
 
 def _check_te_combinations(cfg: TrainConfig) -> None:

@@ -144,8 +144,15 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        # `~` as the shell expands it: a quoted or composed dump_dir would otherwise make a folder named "~".
+        # `~` as the shell expands it: a quoted or composed path (dump_dir, data.source, data.tokenizer,
+        # data.cache_dir, checkpoint.init_from_hf) would otherwise name a folder "~".
         self.dump_dir = os.path.expanduser(self.dump_dir)
+        self.data = dataclasses.replace(self.data, **{
+            key: os.path.expanduser(getattr(self.data, key)) for key in ("source", "tokenizer", "cache_dir")
+            if isinstance(getattr(self.data, key), str)})
+        if isinstance(self.checkpoint.init_from_hf, str):
+            self.checkpoint = dataclasses.replace(self.checkpoint,
+                                                  init_from_hf=os.path.expanduser(self.checkpoint.init_from_hf))
         self.model = dataclasses.replace(self.model, max_seq_len=self.seq_len)
 
     @property

@@ -84,7 +84,7 @@ def _jsonl_text(line: str, where: str, key: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise BadRecord(f"{where} is not valid JSON ({exc.msg})") from exc
+        raise BadRecord(f"{where} is not valid JSON ({exc.msg}: column {exc.colno})") from exc
     except (RecursionError, ValueError) as exc:  # valid JSON past Python's limits: nesting, integer digits
         raise BadRecord(f"{where} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     if not isinstance(record, dict):

@@ -37,6 +37,21 @@ def test_warmup_stable_decay_and_the_linear_shape():
     assert [lr_at(s, 37, default) for s in range(1, 38)] == [lr_at(s, 37, explicit) for s in range(1, 38)]
 
 
+def test_a_step_at_lr_0_leaves_the_weights_bitwise_unchanged():
+    """Decoupled weight decay is lr x weight_decay: 0 too, so optim.lr=0 freezes the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = NamedAdamW([model], OptimConfig(lr=0.0, weight_decay=0.1))
+    for _ in range(3):
+        model(torch.randn(5, 8)).square().sum().backward()
+        optimizer.step(lr_at(1, 10, optimizer.cfg))
+        optimizer.zero_grad()
+    assert optimizer.updates() == 3
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach().view(torch.int32), before[name].view(torch.int32)), name
+
+
 def test_clip_matches_torch():
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=gen) * 10, torch.randn(7, generator=gen)]

@@ -163,11 +163,55 @@ def test_a_longer_run_is_told_how_to_keep_the_schedule_only_when_it_can(tmp_path
         check_resumable(_saved(tmp_path, run_of(20, warmup_steps=10)), run_of(30, warmup_steps=10), allowed=[])
     assert "pass optim.decay_steps=20 to continue the same schedule" in str(err.value)
     # A run that ended inside its warmup has no decay to continue: optim.decay_steps=3 would be refused.
+    # (A checkpoint folder whose step is not known cannot show that no LR it used changes.)
     with pytest.raises(ConfigError) as err:
         check_resumable(_saved(tmp_path, run_of(3, warmup_steps=10)), run_of(4, warmup_steps=10), allowed=[])
     assert "optim.decay_steps=3" not in str(err.value)
     assert "ended at step 3, inside the warmup of 10 steps configured now" in str(err.value)
     assert "resume.allow_changed=[optim.decay_steps]" in str(err.value)
+
+
+def _run_of(steps: int, **optim) -> dict:
+    return run_fingerprint(from_dict({"model": {"name": "tiny"}, "steps": steps, "optim": optim}),
+                           "float32", 8, "a" * 64, DATA)
+
+
+def _step_folder(tmp_path, step: int, fingerprint: dict):
+    folder = tmp_path / f"step_{step}"
+    folder.mkdir()
+    return _saved(folder, fingerprint)
+
+
+def test_a_run_that_ended_inside_its_warmup_may_be_extended(tmp_path):
+    """Every LR of steps 1..3 is the same warmup LR whatever the decay end: a longer run is the same run."""
+    saved = _step_folder(tmp_path, 3, _run_of(3, warmup_steps=10))
+    assert check_resumable(saved, _run_of(100, warmup_steps=10), allowed=[]) == [
+        "optim.decay_steps 3 -> 100 (accepted: the checkpoint's 3 steps all came before the LR decay, which starts "
+        "after step 10, so every LR they used stays the same)"]
+
+
+def test_a_run_that_stopped_in_its_stable_phase_may_be_extended(tmp_path):
+    """Warmup-stable-decay: steps up to optim.decay_start ran at the peak LR, whatever the decay end."""
+    saved = _step_folder(tmp_path, 40, _run_of(100, warmup_steps=10, decay_start=50))
+    changes = check_resumable(saved, _run_of(200, warmup_steps=10, decay_start=50), allowed=[])
+    assert changes == ["optim.decay_steps 100 -> 200 (accepted: the checkpoint's 40 steps all came before the LR "
+                       "decay, which starts after step 50, so every LR they used stays the same)"]
+    # The decay start itself moved before the checkpoint's step: that LR changed, refused as ever.
+    with pytest.raises(ConfigError, match="optim.decay_start 50 -> 30"):
+        check_resumable(saved, _run_of(200, warmup_steps=10, decay_start=30), allowed=[])
+
+
+def test_a_run_whose_decay_had_begun_keeps_its_decay_end(tmp_path):
+    """Step 60 of a decay from step 50 to 100 used an LR that a decay to 200 would not give."""
+    saved = _step_folder(tmp_path, 60, _run_of(100, warmup_steps=10, decay_start=50))
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, _run_of(200, warmup_steps=10, decay_start=50), allowed=[])
+    assert ("optim.decay_steps 100 -> 200 (where the LR decay ends: optim.decay_steps, or steps when unset; pass "
+            "optim.decay_steps=100 to continue the same schedule)") in str(err.value)
+    assert "resume.allow_changed=[optim.decay_steps]" in str(err.value)
+    saved = _step_folder(tmp_path, 11, _run_of(20, warmup_steps=10))  # one step into the cosine
+    with pytest.raises(ConfigError, match="pass optim.decay_steps=20 to continue the same schedule"):
+        check_resumable(saved, _run_of(30, warmup_steps=10), allowed=[])
 
 
 def test_a_kernel_key_a_layout_ignores_is_not_part_of_the_run():

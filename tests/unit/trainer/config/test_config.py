@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 from model.args import RopeScaling
 from parallel.errors import ConfigError
 from tests import REPO
-from trainer.config.rules import layout_noops, validate
+from parallel.launch_env import LaunchEnv
+from trainer.config.cli import check_overrides
+from trainer.config.rules import layout_noops, start_notes, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
 
 CONF = REPO / "conf"
@@ -150,6 +152,7 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["data.max_bad_fraction=1.5"], 1, "data.max_bad_fraction=1.5 must be in [0, 1]"),
         (["checkpoint.keep=2"], 1, "checkpoint.keep=2 needs checkpoint.freq > 0 or a stop_signal"),
         (["log_all_steps=true", "log_freq=5"], 1, "log_freq=5 needs log_all_steps=false"),
+        (["log_all_steps=true", "log_freq=2"], 1, "log_freq=2 needs log_all_steps=false"),
         (["model.rope_scaling={type:yarn}"], 1,
          "model.rope_scaling.type=yarn is not supported: only llama3 (Llama 3.1's RoPE scaling) is"),
         (["model.rope_scaling={factor:0.5}"], 1, "model.rope_scaling.factor=0.5 must be >= 1"),
@@ -168,6 +171,47 @@ def test_rule_violations_are_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as err:
         validate(load(*overrides), world_size=world)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_that_ask_for_what_another_gives_are_accepted():
+    """log_freq=1 and log_all_steps=true both log every step: nothing the user asked for is ignored."""
+    cfg = load("log_all_steps=true", "log_freq=1")
+    validate(cfg, world_size=1)
+    assert cfg.log_freq == 1 and cfg.log_all_steps
+
+
+def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused():
+    frozen = load("optim.lr=0")
+    assert start_notes(frozen, validate(frozen, world_size=1)) == [
+        "optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a weight decay of 0); "
+        "the loss measures the model as loaded"]
+    default = load()
+    assert start_notes(default, validate(default, world_size=1)) == []
+    with pytest.raises(ConfigError, match=r"^optim.lr=-0.001 must be >= 0$"):
+        validate(load("optim.lr=-1e-3"), world_size=1)
+
+
+def test_an_unquoted_tilde_says_how_to_write_it(capsys):
+    """The shell leaves `~` after `=` as it is, and hydra's grammar refuses it with a bare lexer error."""
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(["data.source=~/corpus"], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False,
+                                                            run_id="t"))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: data.source=~/corpus: `~` must be quoted or expanded by the shell, e.g. data.source='~/corpus' (the "
+        "trainer expands a leading ~ in its path keys) or data.source=$HOME/corpus\n")
+
+
+def test_a_quoted_tilde_in_a_path_key_is_expanded(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/someone")
+    check_overrides(["data.source='~/corpus'"], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False,
+                                                         run_id="t"))
+    cfg = load("data.source='~/corpus'", "data.tokenizer='~/tok.model'", "data.cache_dir='~/cache'",
+               "checkpoint.init_from_hf='~/llama'", "dump_dir='~/runs/a'")
+    assert (cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir, cfg.checkpoint.init_from_hf, cfg.dump_dir) == (
+        "/home/someone/corpus", "/home/someone/tok.model", "/home/someone/cache", "/home/someone/llama",
+        "/home/someone/runs/a")
+    assert load().data.source == "stdlib" and load().checkpoint.init_from_hf is None
 
 
 def test_keys_a_layout_makes_no_ops_are_accepted_and_named_in_the_log():
