@@ -21,8 +21,8 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from parallel import comm
-from trainer.checkpoint.files import (CheckpointError, ExtraFiles, complete_save, last_line, own_files, prepare_save,
-                                      prune_checkpoints)
+from trainer.checkpoint.files import (CheckpointError, ExtraFiles, complete_save, discard_save, own_files,
+                                      prepare_save, prune_checkpoints, write_failure)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class AsyncCheckpointer:
             future.result()
             save.files = own_files(save.tmp, self.rank)
         except BaseException as e:  # DCP's CheckpointException is one; reported by every rank at completion
-            save.error = f"{type(e).__name__}: {last_line(e)}"
+            save.error = write_failure(save.tmp, e)
         finally:
             save.done.set()  # else the next save, or the end of training, would wait forever
 
@@ -93,6 +93,7 @@ class AsyncCheckpointer:
         save, self.in_flight = self.in_flight, None
         errors = [e for e in comm.all_gather_object(save.error, self.group) if e]
         if errors:
+            discard_save(save.tmp, self.group, self.rank)
             raise CheckpointError(f"the asynchronous save of step {save.step} failed: {errors[0]}")
         path = complete_save(save.tmp, save.files, self.group, self.rank, self.extra_files)
         if self.rank == 0:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from parallel.fsdp.state_dict import BoxedParameter
-from trainer.checkpoint.files import CheckpointError, last_line
+from trainer.checkpoint.files import CheckpointError, last_line, write_failure
 
 
 def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:
@@ -27,7 +27,7 @@ def save_state(state: dict, folder: Path, group: ProcessGroup) -> None:
     try:
         dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
-        raise CheckpointError(f"checkpoint save into {folder} failed: {last_line(e)}")
+        raise CheckpointError(write_failure(folder, e))
 
 
 def host_copy(state: object) -> object:

@@ -38,6 +38,20 @@ def last_line(e: BaseException) -> str:
     return lines[-1] if lines else repr(e)
 
 
+def write_failure(folder: Path, e: BaseException) -> str:
+    """One line saying why writing into checkpoint folder `folder` failed. torch.save's zip writer
+    reports a short write (a full disk, a quota) as a RuntimeError without its errno ("[enforce fail
+    at inline_container.cc...] unexpected pos"): that one is named for what it almost always is."""
+    cause = last_line(e)
+    if "inline_container" in cause:
+        try:
+            free = f"{shutil.disk_usage(folder).free} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        cause = f"No space left on device, or a quota reached ({free}): torch.save's write came up short ({cause})"
+    return f"checkpoint save into {folder} failed: {cause}"
+
+
 def _dcp_io():
     """torch.distributed.checkpoint costs ~0.7 s of imports per process: only when a checkpoint is used."""
     from trainer.checkpoint import dcp_io
@@ -89,7 +103,11 @@ def save_checkpoint(
     root: Path, step: int, state: dict, group: ProcessGroup, rank: int, extra_files: ExtraFiles
 ) -> Path:
     tmp = prepare_save(root, step, group, rank)
-    _dcp_io().save_state(state, tmp, group)
+    try:
+        _dcp_io().save_state(state, tmp, group)
+    except CheckpointError:  # DCP raises on every rank when any rank's write fails: all agree
+        discard_save(tmp, group, rank)
+        raise
     return complete_save(tmp, own_files(tmp, rank), group, rank, extra_files)
 
 
@@ -117,15 +135,25 @@ def complete_save(tmp: Path, mine: dict[str, dict], group: ProcessGroup, rank: i
                   extra_files: ExtraFiles) -> Path:
     """Every rank's files are written: rank 0 checks that it sees them all, writes the manifest (last)
     and renames the folder into place; every rank gets its verdict. Returns the checkpoint's final
-    path. A save rank 0 cannot complete raises CheckpointError on every rank and leaves the hidden
-    folder, so nothing is pruned on its account."""
+    path. A save rank 0 cannot complete raises CheckpointError on every rank (so nothing is pruned on
+    its account) and its hidden folder is removed."""
     final = tmp.with_name(tmp.name.removeprefix(".tmp_"))
     entries = comm.all_gather_object(mine, group)
     problem = _finish_or_problem(tmp, final, entries, extra_files) if rank == 0 else None
     problems = [p for p in comm.all_gather_object(problem, group) if p]
     if problems:
+        discard_save(tmp, group, rank)
         raise CheckpointError(problems[0])
     return final
+
+
+def discard_save(tmp: Path, group: ProcessGroup, rank: int) -> None:
+    """Every rank, once all have agreed that the save into `tmp` failed: rank 0 removes the folder, which
+    would otherwise hold the disk space until the next save (and, on a full disk, make it fail too). The
+    barrier makes sure no rank is still writing into it."""
+    comm.barrier(group)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _finish_or_problem(tmp: Path, final: Path, entries: list, extra_files: ExtraFiles) -> str | None:
