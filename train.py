@@ -20,9 +20,9 @@ from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger, resolved
 from trainer.config.hf_model import fill_hf_model
+from trainer.config.rules import validate
 from trainer.config.schema import from_dict
 from trainer.run import run
-from trainer.config.rules import validate
 
 PEERS_TIME_OUT_S = 3.0
 

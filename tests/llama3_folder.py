@@ -24,26 +24,24 @@ def corpus_lines(count: int = 400) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(10)) for i in range(count)]
 
 
-def learned_ranks(vocab_size: int = 400) -> dict[bytes, int]:
-    """A byte-level BPE's tokens as tiktoken ranks: the 256 bytes first, then each merge in the order it
-    was learned (a token's rank is its merge priority, as in tiktoken)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+def learned_ranks(vocab_size: int = 400, texts: list[str] | None = None) -> dict[bytes, int]:
+    """A byte-level BPE with Llama 3's split pattern, learned from `texts` (default: corpus_lines()), as
+    tiktoken ranks: the 256 bytes first, then each merge in the order it was learned (a token's rank is
+    its merge priority, as in tiktoken)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tokenizer.train_from_iterator(corpus_lines(), trainer)
-    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    tokenizer.train_from_iterator(corpus_lines() if texts is None else texts, trainer)
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
     ranks = {bytes([b]): b for b in range(256)}
-    for token, _ in vocab:
-        raw = bytes(byte_of[c] for c in token)
-        if raw not in ranks:
-            ranks[raw] = len(ranks)
+    for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        ranks.setdefault(bytes(byte_of[c] for c in token), len(ranks))
     return ranks
 
 
@@ -57,19 +55,6 @@ def write_hf_tokenizer(tiktoken_file: Path, folder: Path) -> Path:
     """tokenizer.json and tokenizer_config.json in `folder`, converted from `tiktoken_file` by transformers."""
     write_hf_files(tiktoken_file, folder)
     return folder / "tokenizer.json"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable character table, which byte-level BPE vocabularies are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int, init_std: float = 0.02, rope: dict = ROPE,

@@ -24,7 +24,8 @@ from trainer.data.prepare import prepare_dataset  # noqa: E402
 from trainer.data.records import iter_documents  # noqa: E402
 from trainer.data.sources import default_corpus_files  # noqa: E402
 from trainer.data.tokenizer import load_tokenizer  # noqa: E402
-from trainer.data.tokenizer_tiktoken import LLAMA3_PATTERN, write_hf_files  # noqa: E402
+from tests.llama3_folder import learned_ranks, write_tiktoken  # noqa: E402
+from trainer.data.tokenizer_tiktoken import write_hf_files  # noqa: E402
 
 CACHE = REPO / ".cache" / "data"
 
@@ -39,28 +40,6 @@ def corpus_documents(megabytes: float) -> list[str]:
             if size >= megabytes * 1e6:
                 return documents
     return documents
-
-
-def learned_ranks_file(documents: list[str], vocab: int, path: Path) -> Path:
-    """A byte-level BPE with Llama 3's split pattern, learned from `documents`, as a tiktoken ranks file."""
-    import base64
-
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.train_from_iterator(documents, trainers.BpeTrainer(
-        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
-    ranks = {bytes([b]): b for b in range(256)}
-    for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
-        ranks.setdefault(bytes(byte_of[c] for c in token), len(ranks))
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
-    return path
 
 
 def rate(encode, documents: list[str], repeats: int) -> tuple[float, list[list[int]]]:
@@ -88,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     documents = corpus_documents(megabytes)
     folder = Path(tempfile.mkdtemp(prefix="bench_tokenizers_"))
-    write_hf_files(learned_ranks_file(documents, vocab, folder / "tokenizer.model"), folder)
+    write_hf_files(write_tiktoken(learned_ranks(vocab, documents), folder / "tokenizer.model"), folder)
     spm, _ = prepare_dataset(None, None, 512, CACHE, True, lambda line: None)
     (folder / "spm").mkdir()
     write_tokenizer(spm, folder / "spm")
