@@ -17,17 +17,19 @@ SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of steps a resumed job r
 REWRITE_FILE = f".{METRICS_FILE}.tmp"  # a resume rewrites metrics.jsonl through it
 JOB_FILE = "job.json"  # which job writes metrics.jsonl
 STOPPED_FILE = "stopped.json"  # the step a job stopped after on its stop_signal (a batch script requeues on it)
+WANDB_RUN_FILE = "wandb_run.json"  # the Weights & Biases run id a resumed job continues (metrics.wandb)
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
 
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
 JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
-             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE)
+             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE, WANDB_RUN_FILE)
 
 CHECKPOINTS_DIR = "checkpoints"
 TB_DIR = "tb"
 TRACES_DIR = "profile_traces"
 SNAPSHOTS_DIR = "memory_snapshots"
+WANDB_DIR = "wandb"  # what the wandb package writes (an offline run's files, its logs)
 
 
 def output_folders(cfg: TrainConfig) -> dict[str, str]:
@@ -35,7 +37,8 @@ def output_folders(cfg: TrainConfig) -> dict[str, str]:
     wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0, "checkpoint.freq > 0"),
               TB_DIR: (cfg.metrics.tensorboard, "metrics.tensorboard=true"),
               TRACES_DIR: (cfg.dump_profile_traces, "dump_profile_traces=true"),
-              SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step")}
+              SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step"),
+              WANDB_DIR: (cfg.metrics.wandb, "metrics.wandb=true")}
     return {name: setting for name, (used, setting) in wanted.items() if used}
 
 

@@ -37,6 +37,7 @@ from trainer.observability.memory import MemorySnapshots
 from trainer.observability.metrics import MetricsLog, StepMetrics, record_history_owner
 from trainer.observability.profiling import StepProfiler
 from trainer.observability.tensorboard import TensorBoardLog
+from trainer.observability.wandb_run import WandbLog
 from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE, FINGERPRINT_FILE, LAYOUT_FILE
 from trainer.parallelize import DTYPE_NAMES, compute_dtype
 from trainer.resilience.dump_dir_lock import DumpDirLock
@@ -75,6 +76,7 @@ class Trainer:
                                             cfg.checkpoint.keep, self.extra_files(), self.log, device) \
             if cfg.checkpoint.async_save else None
         self.tensorboard: TensorBoardLog | None = None
+        self.wandb: WandbLog | None = None
 
     def log(self, msg: str) -> None:
         log0(self.rank, msg)
@@ -115,6 +117,8 @@ class Trainer:
         metrics = MetricsLog(self.dump_dir, is_writer=self.rank == 0, total_steps=cfg.steps, start_step=start_step)
         if cfg.metrics.tensorboard and self.rank == 0:
             self.tensorboard = TensorBoardLog(self.dump_dir, start_step)
+        if cfg.metrics.wandb and self.rank == 0:
+            self.wandb = WandbLog(cfg, self.dump_dir, start_step)
         profiler = StepProfiler(cfg, self.rank, self.device)
         memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, self.dump_dir, self.rank, self.device,
                                  self.runner.roots, self.runner.optimizer)
@@ -153,6 +157,8 @@ class Trainer:
             metrics.log(m)
             if self.tensorboard is not None:
                 self.tensorboard.log(m)
+            if self.wandb is not None:
+                self.wandb.log(m)
         stopping = stop.agreed() and step < cfg.steps
         if self.background is not None:
             self.background.poll()
@@ -206,8 +212,10 @@ class Trainer:
         record_history_owner(self.dump_dir, self.launch.run_id)
 
     def close(self) -> None:
-        """The save in flight completes (every rank together); the event files are closed."""
+        """The save in flight completes (every rank together); the event files and the W&B run are closed."""
         if self.background is not None:
             self.background.wait()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()

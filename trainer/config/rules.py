@@ -21,6 +21,7 @@ from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
+from trainer.observability.wandb_run import check_wandb_installed
 
 _POSITIVE = (
     "steps", "batch_size", "microbatch_size", "seq_len", "log_freq",
@@ -76,6 +77,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_parallel_divisibility(cfg)
     _check_fp8(cfg)
     _check_keys_with_effect(cfg)
+    check_wandb_installed(cfg)
     _check_schedule_size(cfg)
     # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
     pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
@@ -279,6 +281,8 @@ _NEEDS = (
     ("log_freq", "log_all_steps=false (every step is logged)", lambda c: not c.log_all_steps or c.log_freq == 1),
     *((key, "optim.min_lr_ratio < 1 (with 1 the LR stays at optim.lr after warmup)",
        lambda c: c.optim.decays) for key in ("optim.decay_style", "optim.decay_start", "optim.decay_steps")),
+    *((f"metrics.wandb_{key}", "metrics.wandb=true", lambda c: c.metrics.wandb)
+      for key in ("project", "entity", "run_name", "tags")),
 )
 
 

@@ -87,6 +87,11 @@ class CheckpointConfig:
 class MetricsConfig:
     tensorboard: bool = False  # also write the logged steps' scalars as TensorBoard events in {dump_dir}/tb/
     unit_norms: bool = False  # per FSDP unit gradient and parameter norms in metrics.jsonl (one more all-reduce)
+    wandb: bool = False  # also log the logged steps' scalars to a Weights & Biases run (the wandb extra)
+    wandb_project: str | None = None  # null: wandb's own default (WANDB_PROJECT, else "uncategorized")
+    wandb_entity: str | None = None  # null: the API key's default entity
+    wandb_run_name: str | None = None  # null: a name W&B makes up
+    wandb_tags: list[str] = field(default_factory=list)
 
 
 @dataclass

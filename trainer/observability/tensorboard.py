@@ -1,18 +1,13 @@
-"""The per-step scalars of metrics.jsonl as TensorBoard event files under {dump_dir}/tb/ (one writer rank).
-
-Scalars: loss, eval_loss, lr, grad_norm, tokens/s, step time, TFLOP/s and MFU (end to end and
-computing), exposed communication, peak memory, skipped steps, communication bytes per op, and (with
-metrics.unit_norms) each unit's gradient and parameter norm. A resumed job purges the events
-of the steps it redoes, as metrics.jsonl moves their records aside, so curves never double back.
+"""The per-step scalars of metrics.jsonl (scalars.py names them) as TensorBoard event files under
+{dump_dir}/tb/ (one writer rank). A resumed job purges the events of the steps it redoes, as metrics.jsonl
+moves their records aside, so curves never double back.
 """
 
 from pathlib import Path
 
 from trainer.observability.metrics import StepMetrics
+from trainer.observability.scalars import step_scalars
 from trainer.outputs import TB_DIR
-
-_SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "tflops_compute",
-            "comm_wait_s", "mfu", "mfu_compute", "mem_peak_gib", "skipped_steps")
 
 
 class TensorBoardLog:
@@ -22,15 +17,8 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(dump_dir / TB_DIR), purge_step=start_step + 1)
 
     def log(self, m: StepMetrics) -> None:
-        for name in _SCALARS:
-            value = getattr(m, name)
-            if value is not None:
-                self.writer.add_scalar(f"train/{name}" if name != "eval_loss" else "eval/loss", value, m.step)
-        for op, entry in m.comm.items():
-            self.writer.add_scalar(f"comm_bytes/{op}", entry["bytes"], m.step)
-        for kind, norms in (("grad", m.unit_grad_norms), ("param", m.unit_param_norms)):
-            for unit, value in (norms or {}).items():
-                self.writer.add_scalar(f"unit_{kind}_norm/{unit}", value, m.step)
+        for name, value in step_scalars(m).items():
+            self.writer.add_scalar(name, value, m.step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from parallel.launch_env import LaunchEnv
 from trainer.config.cli import check_overrides
 from trainer.config.rules import layout_noops, start_notes, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
+from trainer.observability import wandb_run
 
 CONF = REPO / "conf"
 CONTRACT_KEYS = (
@@ -165,6 +166,8 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
          "model.tie_embeddings=true with num_layers_per_virtual_pipeline_stage on one pipeline rank "
          "(pipeline_parallel_size=1) is not supported yet"),
         (["model.tie_embeddings=yes"], 1, "model.tie_embeddings='yes' must be bool"),
+        (["metrics.wandb_project=llama"], 1, "metrics.wandb_project=llama needs metrics.wandb=true; without it the key"),
+        (["metrics.wandb_tags=[a,b]"], 1, "metrics.wandb_tags=['a', 'b'] needs metrics.wandb=true"),
     ],
 )
 def test_rule_violations_are_one_line(overrides, world, message):
@@ -252,6 +255,16 @@ def test_te_layers_without_cuda_say_how_to_get_them():
         validate(load("model.use_te_layers=true", "model.use_fp8=true"), world_size=1)
     message = str(err.value)
     assert "model.use_te_layers=true needs CUDA and TransformerEngine" in message and "pip install -e '.[te]'" in message
+
+
+def test_wandb_without_its_package_is_one_line(monkeypatch):
+    wanted = ("metrics.wandb=true", "metrics.wandb_project=llama", "metrics.wandb_tags=[a]")
+    validate(load(*wanted), world_size=1)  # installed here (the dev extra includes the wandb one)
+    find_spec = wandb_run.importlib.util.find_spec
+    monkeypatch.setattr(wandb_run.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
+    with pytest.raises(ConfigError, match=r"^metrics.wandb=true needs the wandb package, which is not installed: "
+                                          r"pip install -e '\.\[wandb\]' \(or metrics.wandb=false\)$"):
+        validate(load(*wanted), world_size=1)
 
 
 @pytest.mark.parametrize("overrides, message", [

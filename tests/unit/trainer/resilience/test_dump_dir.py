@@ -198,6 +198,7 @@ def test_unwritable_dump_dir_is_found_before_any_work(tmp_path):
     ({"metrics": {"tensorboard": True}}, "tb", "metrics.tensorboard=true"),
     ({"profile_freq": 1, "dump_profile_traces": True}, "profile_traces", "dump_profile_traces=true"),
     ({"mem_snapshot_stop_step": 1}, "memory_snapshots", "mem_snapshot_stop_step"),
+    ({"metrics": {"wandb": True}}, "wandb", "metrics.wandb=true"),
 ])
 def test_a_file_where_the_job_makes_a_folder_is_refused_naming_its_setting(tmp_path, overrides, folder, setting):
     assert output_folders(from_dict({})) == {}
