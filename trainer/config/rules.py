@@ -91,7 +91,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
         if resumed is None:  # a resume reads its weights from the checkpoint: the folder may be gone
             folder = Path(cfg.checkpoint.init_from_hf)
             check_hf_folder(folder, cfg.model)
-            config, tokenizer = read_hf_config(folder), load_tokenizer(choice.path, choice.key)
+            config, tokenizer = read_hf_config(folder), load_tokenizer(choice.path, choice.key, choice.origin)
             check_token_ids(config, tokenizer, folder)
             check_vocab(config, tokenizer, folder, padded=cfg.make_vocab_size_divisible_by is not None)
     return dims

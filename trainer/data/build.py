@@ -35,7 +35,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
     tokenizer, tokens = prepare_dataset(
         cfg.data.source, choice.path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(),
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=agree or same_data_on_every_rank,
-        tokenizer_key=choice.key, padding=vocab_padding(cfg),
+        tokenizer_key=choice.key, tokenizer_origin=choice.origin, padding=vocab_padding(cfg),
         fmt=RecordFormat(cfg.data.text_key, cfg.data.bad_records, cfg.data.max_bad_fraction),
     )
     global_batch = cfg.batch_size * dp_size

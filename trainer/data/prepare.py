@@ -16,7 +16,7 @@ from trainer.data.heartbeat import Heartbeat
 from trainer.data.records import RecordFormat, check_skipped
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
 from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
-from trainer.data.tokenizer import Tokenizer, load_given_tokenizer
+from trainer.data.tokenizer import Tokenizer, load_given_tokenizer, missing_tokenizer
 from trainer.data.tokenizer_spm import SentencePieceTokenizer, check_trainable_vocab_size, train_tokenizer
 from trainer.outputs import write_problem
 
@@ -31,6 +31,7 @@ def prepare_dataset(
     timeout_s: float = 3600,
     agree: Callable[[str], None] = lambda key: None,
     tokenizer_key: str = "data.tokenizer",
+    tokenizer_origin: str | None = None,
     padding: VocabPadding | None = None,
     fmt: RecordFormat = RecordFormat(),
 ) -> tuple[Tokenizer, PackedTokens]:
@@ -40,7 +41,8 @@ def prepare_dataset(
     once; `agree(cache key)` then raises on every rank unless all ranks computed the same key (a rank
     that saw other files would wait for a cache the main rank never builds). Non-main ranks then wait
     (silently) for the main rank's cache or its error marker, giving up after `timeout_s` in which the
-    main rank's heartbeat did not change. `tokenizer_key` names where `tokenizer_path` came from.
+    main rank's heartbeat did not change. `tokenizer_key` names where `tokenizer_path` came from, and
+    `tokenizer_origin` whose tokenizer it is where no setting named it (TokenizerChoice.origin).
     `vocab_size` is model.vocab_size: the size of a tokenizer trained here, and at least a given one's
     (`padding`: make_vocab_size_divisible_by's rule, trainer/config/vocab.py). `fmt`: how documents are
     read (data.text_key, data.bad_records, data.max_bad_fraction); every rank checks the bad records the
@@ -49,7 +51,7 @@ def prepare_dataset(
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
     files, left_out, links = list_source(source)
-    given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding)
+    given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding, tokenizer_origin)
     sources = sources_fingerprint(files)
     key = cache_key(sources, vocab_size, given, fmt.text_key)
     agree(key)
@@ -74,7 +76,7 @@ def prepare_dataset(
             _build(files, sources, vocab_size, given, paths, log, fmt)
     else:
         wait_for_main_rank(paths, given is not None, timeout_s)
-    tokenizer = given or SentencePieceTokenizer(paths.tokenizer)
+    tokenizer = given or trained_tokenizer(paths.tokenizer)
     tokens = PackedTokens(paths.tokens)
     if tokens.meta["tokenizer_sha256"] != tokenizer.sha256:
         # e.g. the tokenizer folder was deleted and trained again by another sentencepiece version.
@@ -107,11 +109,23 @@ def _build(
                 paths.tokenizer.unlink()
                 raise ConfigError(SOURCE_CHANGED)
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
-        tokenizer = SentencePieceTokenizer(paths.tokenizer)
+        tokenizer = trained_tokenizer(paths.tokenizer)
     start = time.monotonic()
     write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources,
                         fmt=fmt)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")
+
+
+def trained_tokenizer(path: Path) -> SentencePieceTokenizer:
+    """The tokenizer trained into the cache for data.tokenizer=null, read once (another job sharing
+    data.cache_dir, or a user clearing it, may delete it at any time)."""
+    origin = "the one trained on data.source into data.cache_dir (data.tokenizer is null)"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise ConfigError(missing_tokenizer(path, origin, "while the data was prepared") + "; run again to train it "
+                          "anew") from e
+    return SentencePieceTokenizer(path, data, f"the tokenizer {path}, {origin},")
 
 
 def usable_cores() -> int:

@@ -53,17 +53,28 @@ def tokenizer_file(path: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Tokenizer:
+def missing_tokenizer(path: str | Path, origin: str, when: str = "after the run chose it") -> str:
+    """The error line of a tokenizer file the run chose (not one the user named: `origin` says whose it
+    is) that is gone when it is read."""
+    return f"the tokenizer {path} is missing: it is {origin}, and was deleted {when}"
+
+
+def load_tokenizer(path: str | Path, key: str = "data.tokenizer", origin: str | None = None) -> Tokenizer:
     """The tokenizer in `path` (a file, or a folder holding one), whatever its format; `key` names where the
-    path came from in error lines."""
+    path came from in error lines; `origin`: whose tokenizer the run chose, where `key` is not a setting the
+    user named (TokenizerChoice.origin)."""
     given = Path(path).expanduser()
     file = tokenizer_file(given)
+    if file is None and origin is not None and not given.exists():
+        raise ConfigError(missing_tokenizer(path, origin))
     if file is None:
         what = f"is a folder without {' or '.join(FOLDER_FILES)}" if given.is_dir() else \
             "is not a file" if given.exists() else "does not exist"
         raise ConfigError(f"{key}={path} {what}")
     try:
         data = file.read_bytes()
+    except FileNotFoundError as e:  # deleted since tokenizer_file found it
+        raise ConfigError(missing_tokenizer(file, origin) if origin else f"{key}={file} does not exist") from e
     except OSError as e:
         raise ConfigError(f"{key}={file} cannot be read: {e.strerror or e}") from e
     where = f"{key}={file}"
@@ -80,12 +91,12 @@ def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Tokenizer:
 
 
 def load_given_tokenizer(tokenizer_path: str | Path | None, vocab_size: int, key: str = "data.tokenizer",
-                         padding: VocabPadding | None = None) -> Tokenizer | None:
+                         padding: VocabPadding | None = None, origin: str | None = None) -> Tokenizer | None:
     """The tokenizer of `tokenizer_path` (None: none given), checked for what packing and the model need:
     model.vocab_size (`vocab_size`) has a row for each of its ids, or pads them as `padding` says."""
     if tokenizer_path is None:
         return None
-    tokenizer = load_tokenizer(tokenizer_path, key)
+    tokenizer = load_tokenizer(tokenizer_path, key, origin)
     if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
         raise ConfigError(f"{key}={tokenizer.path} has no bos/eos tokens; packing needs both")
     model_vocab_size(vocab_size, tokenizer.vocab_size, padding, f"{key}={tokenizer.path}")
@@ -96,6 +107,7 @@ class TokenizerChoice(NamedTuple):
     path: str | None  # None: a tokenizer is trained on the data
     key: str  # what error lines call it
     note: str | None = None  # a log line, where it is not simply data.tokenizer
+    origin: str | None = None  # whose tokenizer it is, where it is not data.tokenizer (missing_tokenizer)
 
 
 def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resumed: Path | None) -> TokenizerChoice:
@@ -111,12 +123,14 @@ def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resum
     if kept is not None and data_tokenizer is not None and given is None:
         return TokenizerChoice(str(kept), "the checkpoint's tokenizer",
                                f"data: tokenizer {kept}, the copy in the resumed checkpoint (data.tokenizer="
-                               f"{data_tokenizer} is gone)")
+                               f"{data_tokenizer} is gone)",
+                               f"the resumed checkpoint's copy of data.tokenizer={data_tokenizer} (which is gone)")
     if init_from_hf is None or data_tokenizer is not None and resumed is not None:
         return TokenizerChoice(data_tokenizer, "data.tokenizer")
     if data_tokenizer is None and kept is not None:
         return TokenizerChoice(str(kept), "the checkpoint's tokenizer",
-                               f"data: tokenizer {kept}, the copy in the resumed checkpoint of checkpoint.init_from_hf's")
+                               f"data: tokenizer {kept}, the copy in the resumed checkpoint of checkpoint.init_from_hf's",
+                               "the resumed checkpoint's copy of checkpoint.init_from_hf's tokenizer")
     folder = Path(init_from_hf).expanduser()
     shipped = tokenizer_file(folder) if folder.is_dir() else None
     if data_tokenizer is None and shipped is None:
@@ -125,7 +139,8 @@ def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resum
                           "train a new one, with other ids)")
     if data_tokenizer is None:
         return TokenizerChoice(str(shipped), "checkpoint.init_from_hf's tokenizer",
-                               f"data: tokenizer {shipped} (that of checkpoint.init_from_hf; data.tokenizer is null)")
+                               f"data: tokenizer {shipped} (that of checkpoint.init_from_hf; data.tokenizer is null)",
+                               f"checkpoint.init_from_hf={init_from_hf}'s tokenizer (data.tokenizer is null)")
     # A missing data.tokenizer is left to the data preparation's own error line.
     if shipped is not None and given is not None and given.read_bytes() != shipped.read_bytes():
         raise ConfigError(f"data.tokenizer={data_tokenizer} is another tokenizer than {shipped}, whose ids the "

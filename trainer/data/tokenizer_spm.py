@@ -43,11 +43,17 @@ class SentencePieceTokenizer:
         name it (data.tokenizer=path unless given)."""
         self.path = Path(path)
         self._sp = spm.SentencePieceProcessor()
+        where = where or f"data.tokenizer={path}"
         try:
             self.model_bytes = self.path.read_bytes() if model_bytes is None else model_bytes
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{where} does not exist") from exc
+        except OSError as exc:
+            raise ConfigError(f"{where} cannot be read: {exc.strerror or exc}") from exc
+        try:
             self._sp.LoadFromSerializedProto(self.model_bytes)
-        except (OSError, RuntimeError) as exc:
-            raise ConfigError(f"{where or f'data.tokenizer={path}'} is not a sentencepiece model") from exc
+        except RuntimeError as exc:
+            raise ConfigError(f"{where} is not a sentencepiece model") from exc
         self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
 
     @property

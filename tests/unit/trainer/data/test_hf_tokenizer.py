@@ -67,4 +67,4 @@ def test_a_resume_whose_data_tokenizer_is_gone_takes_the_checkpoints_copy(tmp_pa
     assert choice.path == str(checkpoint / "tokenizer.json") and "is gone" in choice.note
     given = tmp_path / "tokenizer.json"
     given.write_text("{}")
-    assert choose_tokenizer(str(given), None, resumed=checkpoint) == (str(given), "data.tokenizer", None)
+    assert choose_tokenizer(str(given), None, resumed=checkpoint) == (str(given), "data.tokenizer", None, None)
