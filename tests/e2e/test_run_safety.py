@@ -339,3 +339,23 @@ def test_resume_refuses_another_corpus_with_the_same_sequence_count(tmp_path):
     assert "tokenizer" not in proc.stderr.split("would change the run")[1]
     counts = {json.loads(p.read_text())["num_tokens"] for p in cache.glob("tokens-*/meta.json")}
     assert len(list(cache.glob("tokens-*/meta.json"))) == 2 and len(counts) == 1, counts
+
+
+@pytest.mark.parametrize("schedule, first_steps, fault, steps", [
+    # The first run ends inside its warmup; then a longer one.
+    (("optim.warmup_steps=10",), 3, None, 6),
+    # Warmup-stable-decay: a run of 8 steps, its decay after step 5, dies after its step-3 checkpoint
+    # (in the stable phase); the job goes on with steps=12.
+    (("optim.warmup_steps=1", "optim.decay_start=5"), 8, "step_start:4:0", 12),
+], ids=["warmup", "stable"])
+def test_a_run_stopped_before_its_decay_extends_to_the_straight_run_bitwise(tmp_path, schedule, first_steps, fault,
+                                                                            steps):
+    straight = train_ok(0, tmp_path / "straight", *FAST, *schedule, f"steps={steps}")
+    dump = tmp_path / "extended"
+    train(1, dump, *FAST, *schedule, f"steps={first_steps}", "checkpoint.freq=3", fault=fault)
+    assert [r["step"] for r in metrics(dump)] == [1, 2, 3]
+    proc = train(0, dump, *FAST, *schedule, f"steps={steps}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"optim.decay_steps {first_steps} -> {steps} (accepted" in proc.stdout + proc.stderr
+    extended = metrics(dump)
+    assert [(r["step"], r["lr"], r["loss"]) for r in extended] == [(r["step"], r["lr"], r["loss"]) for r in straight]
