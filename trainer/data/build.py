@@ -84,8 +84,7 @@ def _prepare_sources(cfg: TrainConfig, rank: int, log: Callable[[str], None], re
         parts.append(tokens)
         if path is None and len(names) > 1:
             path, key = str(tokenizer.path), f"the tokenizer trained on data.source[{i}]={names[i]}"
-            if rank == 0:
-                log(f"data: every source of the blend is tokenized with {key}")
+            log(f"data: every source of the blend is tokenized with {key}")
     # BlendedTokens refuses data shorter than one sequence in a line naming seq_len (and the source).
     return tokenizer, BlendedTokens(names, parts, cfg.seq_len)
 
