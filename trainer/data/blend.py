@@ -1,8 +1,9 @@
 """A blend of sources: which source each sample of the run comes from, and the sources' sequences as one
 index space.
 
-The order is Megatron's BlendedDataset's: sample i goes to the source whose count lags its weight most
-once the sample is drawn (the largest (i + 1) * w_j - count_j, the first such source on a tie). Every lag
+The order is the greedy one of Megatron's BlendedDataset: sample i goes to the source whose count lags its
+weight most, counting the sample drawn (the largest (i + 1) * w_j - count_j, the first such source on a
+tie; Megatron counts max(i, 1)). Every lag
 then stays above -1 (the chosen lag is at least 1/k before the draw) and the lags sum to 0, so each
 source's count stays within a sample or two of its share: every window of samples holds each source's
 share to within a few samples, not just on average over the run. The weights are made integer quotas q_j

@@ -32,7 +32,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
     checkpoint the run continues, whose copy of the tokenizer it keeps (None: a fresh start); `agree`: how
     the ranks check that they read the same data (None: same_data_on_every_rank, a collective; a process
     alone, scripts/inspect_data.py, has no peer to ask)."""
-    tokenizer, tokens = _prepare_sources(cfg, rank, log, resumed, agree or same_data_on_every_rank)
+    tokenizer, tokens = prepare_sources(cfg, rank, log, resumed, agree or same_data_on_every_rank)
     global_batch = cfg.batch_size * dp_size
     splits = [split_windows(part.num_tokens, cfg.seq_len, cfg.data.held_out_fraction) for part in tokens.parts]
     weights = cfg.data.weights or [part.num_tokens for part in tokens.parts]
@@ -65,10 +65,10 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
     return Data(tokenizer, loader(sampler), loader(eval_sampler), fingerprint)
 
 
-def _prepare_sources(cfg: TrainConfig, rank: int, log: Callable[[str], None], resumed: Path | None,
+def prepare_sources(cfg: TrainConfig, rank: int, log: Callable[[str], None], resumed: Path | None,
                      agree: Callable[[str], None]) -> tuple[Tokenizer, BlendedTokens]:
     """Each source's packed tokens, prepared (and cached) on its own, all with one tokenizer: the one
-    chosen, or else the one trained on the first source."""
+    chosen, or else the one trained on the first source. What a job prepares before it trains."""
     choice = choose_tokenizer(cfg.data.tokenizer, cfg.checkpoint.init_from_hf, resumed)
     if choice.note:
         log(choice.note)
