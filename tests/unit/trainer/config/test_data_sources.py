@@ -8,7 +8,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from parallel.errors import ConfigError
+from parallel.launch_env import LaunchEnv
 from tests import REPO
+from trainer.config.cli import check_overrides
 from trainer.config.rules import validate
 from trainer.config.schema import TrainConfig, from_dict
 
@@ -50,3 +52,14 @@ def test_sources_and_weights_that_do_not_fit_are_one_line(overrides: list[str], 
     with pytest.raises(ConfigError) as err:
         validate(load(*overrides), world_size=1)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_unquoted_tilde_in_a_list_of_sources_says_to_quote_the_path(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides(["data.source=[~/web,/data/code]"], LaunchEnv(rank=0, local_rank=0, world_size=1,
+                                                                       torchrun=False, run_id="t"))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: data.source=[~/web,/data/code]: `~` must be quoted or expanded by the shell, e.g. "
+        "data.source=['~/web',/data/code] (the trainer expands a leading ~ in its path keys)\n")
+    assert load("data.source=['~/web',/data/code]").data.source == [os.path.expanduser("~/web"), "/data/code"]
