@@ -6,8 +6,9 @@ The config is composed as train.py composes it (conf/, the same override check a
 built as rank 0 builds it: a missing cache is prepared in data.cache_dir, where a later job finds it. The
 global batch is batch_size x D, D being the run's data-parallel size (1 by default): every layout with that
 global batch trains on the same sequences per step. For the first N global batches it prints each source's
-share of tokens and of documents, the documents per sequence, the share of bos and eos tokens, and K of the
-sequences decoded, each bos and eos marked. A bad override or config is one `error:` line, exit code 2.
+share of tokens and of documents, the documents per sequence, the share of bos and eos tokens, for a blend of
+sources each source's shares in every one of those global batches, and K of the sequences decoded, each bos
+and eos marked. A bad override or config is one `error:` line, exit code 2.
 """
 
 import sys
@@ -65,16 +66,10 @@ def compose_config(overrides: list[str], dp: int) -> TrainConfig:
     return cfg
 
 
-def source_of(cfg: TrainConfig, index: int) -> str:
-    """The source a training window came from. data.source names one source today, so every window is
-    its; the stats are keyed by it so that they split per source once it names several."""
-    return cfg.data.source or "stdlib"
-
-
 def inspected(cfg: TrainConfig, data: Data, steps: int) -> list[Sequence]:
-    """The sequences of the first `steps` global batches, in training order."""
+    """The sequences of the first `steps` global batches, in training order, each with its source."""
     sampler, tokens = data.loader.sampler, data.loader.tokens
-    return [Sequence(step, int(i), source_of(cfg, int(i)), tokens.sequence(int(i), cfg.seq_len)[:-1])
+    return [Sequence(step, int(i), tokens.names[tokens.source_of(int(i))], tokens.sequence(int(i), cfg.seq_len)[:-1])
             for step in range(steps) for i in sampler.global_indices(step)]
 
 
@@ -92,6 +87,18 @@ def gather(sequences: list[Sequence], bos_id: int, eos_id: int) -> Stats:
 
 def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
+
+
+def batch_lines(sequences: list[Sequence], sources: list[str], bos_id: int, eos_id: int) -> list[str]:
+    """A blend's shares in each global batch: the weights hold in every window of batches, not just overall."""
+    lines = []
+    for step in sorted({seq.step for seq in sequences}):
+        stats = gather([seq for seq in sequences if seq.step == step], bos_id, eos_id)
+        tokens, documents = sum(stats.tokens.values()), sum(stats.documents.values())
+        shares = [f"{source} {percent(stats.tokens[source], tokens)} of tokens, "
+                  f"{percent(stats.documents[source], documents)} of documents" for source in sources]
+        lines.append(f"step {step}: " + "; ".join(shares))
+    return lines
 
 
 def stats_lines(stats: Stats) -> list[str]:
@@ -132,7 +139,11 @@ def report(cfg: TrainConfig, data: Data, steps: int, show: int, width: int) -> l
     global_batch = data.loader.sampler.global_batch_size
     lines = [f"inspect: steps 0-{steps - 1}, {steps} global batches of {global_batch} sequences x {cfg.seq_len} "
              f"tokens ({len(sequences)} sequences, {len(sequences) * cfg.seq_len} tokens)"]
-    lines += stats_lines(gather(sequences, data.tokenizer.bos_id, data.tokenizer.eos_id))
+    bos_id, eos_id = data.tokenizer.bos_id, data.tokenizer.eos_id
+    lines += stats_lines(gather(sequences, bos_id, eos_id))
+    sources = data.loader.tokens.names
+    if len(sources) > 1:
+        lines += batch_lines(sequences, sources, bos_id, eos_id)
     lines += [f"sequence {seq.index} (step {seq.step}): {one_line(marked_text(seq.ids, data.tokenizer), width)}"
               for seq in sequences[:show]]
     return lines

@@ -21,6 +21,8 @@ FAST = ("model=tiny", "seq_len=64", "batch_size=2")
         (("model_parallel_size=3",), ("model.n_heads=4", "model_parallel_size=3")),
         (("data.source=/no/such/corpus",), ("data.source=/no/such/corpus", "does not exist")),
         (("steps=many",), ("steps='many'", "int")),
+        (("data.source=[stdlib,/no/such/corpus]", "data.weights=[1,2,3]"),
+         ("data.weights has 3 weights for the 2 sources of data.source",)),
         (("eval.freq=2", "eval.steps=100000"), ("eval.steps=100000", "held-out sequences", "data.held_out_fraction")),
         (("optimm.lr=1e-3",), ("error: optimm.lr is not a known config key (did you mean optim.lr?)",)),
         (("hydra.job.nme=x",), ("Could not override 'hydra.job.nme'", "+hydra.job.nme=x")),  # hydra's, in one line

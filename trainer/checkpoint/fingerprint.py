@@ -34,11 +34,11 @@ KERNELS = ("model.use_te_layers", "model.efficient_attn")
 _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8_amax_history_len", "seq_len",
                   "seed", "data.held_out_fraction", "eval.steps")
 # Keys newer than some checkpoints: absent from an older fingerprint means what was then in force (the
-# defaults; no held-out split).
+# defaults; no held-out split; one source).
 _ABSENT_MEANS_DEFAULT = {key: get_key(TrainConfig(), key) for key in (
     *FP8, *KERNELS, "model.fp8_amax_history_len", "model.rope_scaling", "model.intermediate_size", "optim.decay_style",
     "optim.decay_start", "model.tie_embeddings")} | {
-    "data.held_out_fraction": 0.0}
+    "data.held_out_fraction": 0.0, "data.weights": [1.0]}
 # Keys newer than some checkpoints whose old value cannot be known: not compared when absent.
 _ABSENT_MEANS_UNKNOWN = ("data_sha256", "data_sample", "eval.steps")
 # fp8's own settings: compared only while saved fp8 scaling state carries over (fp8 on before and now).
@@ -54,6 +54,7 @@ _HINTS = {
                  "checkpoint.init_from_hf, or the tokenizer trained for data.source)",
     "eval.steps": "eval_loss averages this many held-out batches: another count measures another subset",
     "data": "data.source (or its packed tokens) changed",
+    "data.weights": "the blend's shares changed: data.weights, or with data.weights=null the sources' token counts",
     "data_sample": "data.source (or its packed tokens) changed",
     "data_sha256": "data.source (or its packed tokens) changed",
     "model.vocab_size": "the model's rows, which make_vocab_size_divisible_by rounds up to a multiple of it x "

@@ -72,6 +72,10 @@ def unquoted_tilde(e: HydraException) -> str | None:
     key, _, value = override.partition("=")
     if "~" not in value or value[:1] in "'\"":
         return None
+    if value.startswith("[") and value.endswith("]"):  # a list of paths (data.source=[~/a,b]): quote each path
+        quoted = ",".join(f"'{item}'" if "~" in item else item for item in value[1:-1].split(","))
+        return (f"{override}: `~` must be quoted or expanded by the shell, e.g. {key}=[{quoted}] (the trainer "
+                "expands a leading ~ in its path keys)")
     home = f" or {key}=$HOME/{value[2:]}" if value.startswith("~/") else ""
     return (f"{override}: `~` must be quoted or expanded by the shell, e.g. {key}='{value}' (the trainer expands a "
             f"leading ~ in its path keys){home}")

@@ -19,6 +19,7 @@ from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
 from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
+from trainer.config.data_sources import check_sources
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 from trainer.observability.wandb_run import check_wandb_installed
@@ -70,6 +71,7 @@ def _check_schedule_size(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """Check every static rule; returns the parallel layout of `world_size` ranks."""
     _check_ranges(cfg)
+    check_sources(cfg.data)
     _check_enums(cfg)
     _check_rope_scaling(cfg)
     _check_resume_keys(cfg)

@@ -39,7 +39,7 @@ DERIVED = ("model.max_seq_len", "model.valid_vocab_size")
 
 @dataclass
 class DataConfig:
-    source: str | None = "stdlib"
+    source: str | list[str] | None = "stdlib"  # a list is a blend of sources, mixed by `weights`
     tokenizer: str | None = None
     cache_dir: str = ".cache/data"
     prepare_timeout_s: float = 3600.0
@@ -47,6 +47,12 @@ class DataConfig:
     text_key: str = "text"
     bad_records: str = "error"
     max_bad_fraction: float = 0.001
+    weights: list[float] | None = None  # one per source; null: proportional to each source's tokens
+
+    @property
+    def sources(self) -> list[str | None]:
+        """`source` as a list: one source, or the sources of a blend."""
+        return list(self.source) if isinstance(self.source, list) else [self.source]
 
 
 @dataclass
@@ -155,6 +161,8 @@ class TrainConfig:
         self.data = dataclasses.replace(self.data, **{
             key: os.path.expanduser(getattr(self.data, key)) for key in ("source", "tokenizer", "cache_dir")
             if isinstance(getattr(self.data, key), str)})
+        if isinstance(self.data.source, list):
+            self.data = dataclasses.replace(self.data, source=[os.path.expanduser(s) for s in self.data.source])
         if isinstance(self.checkpoint.init_from_hf, str):
             self.checkpoint = dataclasses.replace(self.checkpoint,
                                                   init_from_hf=os.path.expanduser(self.checkpoint.init_from_hf))
@@ -259,6 +267,9 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
+    if isinstance(value, list | tuple) and get_origin(hint) in (Union, UnionType):
+        # `str | list[str]` (data.source): a list given takes the list member of the union.
+        hint = next((arg for arg in get_args(hint) if get_origin(arg) is list), hint)
     if get_origin(hint) is list:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")

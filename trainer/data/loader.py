@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from parallel.errors import ConfigError
+from trainer.data.blend import BlendedTokens
 from trainer.data.sampler import GlobalBatchSampler, HeldOutSampler, per_rank_batch_size
 from trainer.data.shards import PackedTokens
 
@@ -13,7 +14,7 @@ class BatchLoader:
 
     def __init__(
         self,
-        tokens: PackedTokens,
+        tokens: BlendedTokens | PackedTokens,
         sampler: GlobalBatchSampler | HeldOutSampler,
         seq_len: int,
         dp_rank: int,

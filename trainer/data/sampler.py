@@ -9,6 +9,7 @@ resuming only needs the step number.
 import numpy as np
 
 from parallel.errors import ConfigError
+from trainer.data.blend import BlendOrder
 from trainer.data.shuffle import SHUFFLE_VERSION, RandomPermutation
 
 # Stored with every checkpoint, as the shuffle's version is: a resume refuses a split this version does not
@@ -81,20 +82,86 @@ class GlobalBatchSampler:
                 )
 
 
-class HeldOutSampler:
-    """Evaluation batches: the held-out windows in their fixed order, `global_batch_size` per batch, each
-    data-parallel rank a contiguous slice (as in training), so every layout evaluates the same tokens."""
+class BlendedBatchSampler(GlobalBatchSampler):
+    """Global batches of a blend of sources. Sample n of the run (step s holds samples s*G .. s*G + G - 1)
+    is the next sequence of the source the blend's order names; each source walks through its own training
+    sequences in an order reshuffled every epoch of its own, so a source used up before the run ends
+    starts its next epoch while the others go on."""
 
-    def __init__(self, windows: range, global_batch_size: int) -> None:
-        self.windows, self.global_batch_size = windows, global_batch_size
-        self.num_batches = len(windows) // global_batch_size
+    def __init__(self, train_windows: list[int], offsets: np.ndarray, order: BlendOrder, global_batch_size: int,
+                 seed: int, names: list[str]) -> None:
+        """`train_windows`: each source's training sequences, source j's first at index `offsets[j]`."""
+        if global_batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 (global batch size is {global_batch_size})")
+        if seed < 0:
+            raise ConfigError(f"seed={seed} must be >= 0")
+        for name, count, quota in zip(names, train_windows, order.quotas):
+            if quota and count < 1:
+                raise ConfigError(f"data.source {name} leaves no training sequence (lower seq_len or "
+                                  "data.held_out_fraction, or give it weight 0 in data.weights)")
+        self.train_windows, self.offsets, self.order, self.names = train_windows, offsets, order, names
+        self.num_sequences = sum(train_windows)
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle_version = SHUFFLE_VERSION
+        self.split_version = SPLIT_VERSION
+
+    def epochs_line(self, steps: int) -> str:
+        """Each source's weight, training sequences and epochs over `steps`: a source past one epoch repeats."""
+        drawn = self.order.drawn(steps * self.global_batch_size)
+        parts = []
+        for name, weight, count, taken in zip(self.names, self.order.weights, self.train_windows, drawn):
+            epochs = taken / count if count else 0.0
+            parts.append(f"{name} (weight {weight:.4g}, {count} training sequences, {epochs:.2f} epochs"
+                         + (": sequences repeat)" if epochs > 1 else ")"))
+        return f"data: blend of {len(parts)} sources over steps={steps}: " + "; ".join(parts)
+
+    def _read(self, step: int, offset: int, count: int) -> np.ndarray:
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        start = step * self.global_batch_size + offset
+        sources, ordinals = self.order.draw(np.arange(start, start + count, dtype=np.int64))
+        indices = np.empty(count, dtype=np.int64)
+        for source in np.unique(sources):
+            picked = sources == source
+            epochs, positions = np.divmod(ordinals[picked], self.train_windows[source])
+            local = np.empty(len(positions), dtype=np.int64)
+            for epoch in np.unique(epochs):
+                here = epochs == epoch
+                local[here] = RandomPermutation(self.train_windows[source], self.seed, int(epoch),
+                                                int(source))[positions[here]]
+            indices[picked] = self.offsets[source] + local
+        return indices
+
+
+class HeldOutSampler:
+    """Evaluation batches: each source's held-out windows in their fixed order, blended as training is
+    (one source: its windows in order), `global_batch_size` per batch, each data-parallel rank a
+    contiguous slice (as in training), so every layout evaluates the same tokens."""
+
+    def __init__(self, windows: range | list[range], global_batch_size: int, order: BlendOrder | None = None) -> None:
+        """`windows`: each source's held-out sequence indices (a range: one source's); `order`: the blend's."""
+        self.windows = [windows] if isinstance(windows, range) else windows
+        self.global_batch_size = global_batch_size
+        self.order = order or BlendOrder([1])
+        sizes = np.array([len(w) for w in self.windows])
+        # The most batches no source runs out of held-out windows for (drawn counts grow with the count).
+        low, high = 0, int(sizes.sum()) // global_batch_size
+        while low < high:
+            middle = (low + high + 1) // 2
+            fits = bool((self.order.drawn(middle * global_batch_size) <= sizes).all())
+            low, high = (middle, high) if fits else (low, middle - 1)
+        self.num_batches = low
+        self.num_windows = int(self.order.drawn(low * global_batch_size).sum())
 
     def rank_indices(self, batch: int, dp_rank: int, dp_size: int) -> np.ndarray:
         if not 0 <= batch < self.num_batches:
             raise IndexError(f"eval batch {batch} is outside the {self.num_batches} the held-out split holds")
         per_rank = per_rank_batch_size(self.global_batch_size, dp_size)
         start = batch * self.global_batch_size + dp_rank * per_rank
-        return np.arange(self.windows.start + start, self.windows.start + start + per_rank, dtype=np.int64)
+        sources, ordinals = self.order.draw(np.arange(start, start + per_rank, dtype=np.int64))
+        starts = np.array([w.start for w in self.windows], dtype=np.int64)
+        return starts[sources] + ordinals
 
 
 def split_windows(num_tokens: int, seq_len: int, held_out_fraction: float) -> tuple[int, range]:

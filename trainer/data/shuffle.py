@@ -25,9 +25,10 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class RandomPermutation:
-    """The permutation of range(n) keyed by (seed, epoch); `permutation[positions]` reads it."""
+    """The permutation of range(n) keyed by (seed, epoch), and by `source` in a blend, so that two sources of
+    one size are shuffled apart; `permutation[positions]` reads it."""
 
-    def __init__(self, n: int, seed: int, epoch: int) -> None:
+    def __init__(self, n: int, seed: int, epoch: int, source: int | None = None) -> None:
         if n < 1:
             raise ValueError(f"a permutation needs n >= 1, got {n}")
         self.n = n
@@ -35,7 +36,8 @@ class RandomPermutation:
         # applies it fewer than 4 times per position on average.
         self._half_bits = np.uint64(max(1, ((n - 1).bit_length() + 1) // 2))
         self._half_mask = np.uint64((1 << int(self._half_bits)) - 1)
-        self._round_keys = np.random.SeedSequence([seed, epoch]).generate_state(_ROUNDS, dtype=np.uint64)
+        key = [seed, epoch] if source is None else [seed, epoch, source]
+        self._round_keys = np.random.SeedSequence(key).generate_state(_ROUNDS, dtype=np.uint64)
 
     def __getitem__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)

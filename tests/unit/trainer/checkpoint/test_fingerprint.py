@@ -247,3 +247,15 @@ def test_tied_embeddings_are_architecture_and_absent_means_untied(tmp_path):
     check_resumable(older, _fingerprint(), allowed=[])
     with pytest.raises(ConfigError, match=r"model.tie_embeddings False -> True"):
         check_resumable(older, tied, allowed=[])
+
+
+def test_a_blend_with_other_weights_is_refused_and_older_checkpoints_were_one_source(tmp_path):
+    cfg = from_dict({"model": {"name": "tiny"}})
+    blend = run_fingerprint(cfg, "float32", 8, "a" * 64, DATA | {"data.weights": [0.8, 0.2]})
+    saved = _saved(tmp_path, blend)
+    with pytest.raises(ConfigError) as err:
+        check_resumable(saved, run_fingerprint(cfg, "float32", 8, "a" * 64, DATA | {"data.weights": [0.5, 0.5]}), [])
+    assert "data.weights [0.8, 0.2] -> [0.5, 0.5] (the blend's shares changed: data.weights" in str(err.value)
+    assert "resume.allow_changed" not in str(err.value)  # another data order: never allowable
+    one = run_fingerprint(cfg, "float32", 8, "a" * 64, DATA | {"data.weights": [1.0]})
+    check_resumable(_saved(tmp_path, one, drop=("data.weights",)), one, allowed=[])  # written before blends
