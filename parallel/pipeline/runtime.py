@@ -120,9 +120,8 @@ class PipelineRuntime:
                 with record_function(str(a)):
                     self._backward(a)
             else:
-                with record_function(str(a)), torch.no_grad():  # as in the backward it was deferred from
-                    for work in self._weight_work.pop((a.chunk, a.microbatch)):
-                        work()
+                with record_function(str(a)):
+                    self._weight(a)
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
 
@@ -164,6 +163,12 @@ class PipelineRuntime:
             self._weight_work[(a.chunk, a.microbatch)] = weight_grads.take()
         if stage > 0:
             self._route(a, BACKWARD, stage, x.grad)
+
+    @torch.no_grad()  # as in the backward the work was deferred from
+    def _weight(self, a: Action) -> None:
+        """W: the weight-gradient GEMMs its B deferred, and the FSDP reductions queued behind them."""
+        for work in self._weight_work.pop((a.chunk, a.microbatch)):
+            work()
 
     def _route(self, a: Action, op: str, stage: int, tensor: torch.Tensor) -> bool:
         """Hand an output to its consumer; True when it goes out through the network."""
