@@ -8,14 +8,14 @@ interleaving), once per step, and nothing waits for the schedule's end to start 
 
 Tensors between stages have a fixed shape and dtype (no shape exchange): activations forward,
 their gradients backward. Received activations become leaves that require grad; their `.grad` after
-the chunk's backward is what goes upstream.
+the chunk's backward is what goes upstream. A hand-over between two chunks of one rank (the last
+stage of a round feeding the first of the next, when pp = 1) skips the network.
 
 A program with W actions (zb_h1) splits each backward: B runs under parallel/weight_grads.py's
 deferring, so the linears compute only input gradients and queue their weight-gradient GEMMs, and the
 FSDP reductions of the microbatch that reduces queue behind them; W runs that queue. The marks stay
 where they were; what moves is the reduction: into the chunk's last W, its last B's, so each unit
-still concatenates and reduces once per step. A hand-over between two chunks of one rank (the last
-stage of a round feeding the first of the next, when pp = 1) skips the network.
+still concatenates and reduces once per step.
 
 What a rank holds for p2p does not grow with the microbatch count: a stage output's data is freed as
 soon as it is handed to its send (the autograd node stays for the backward, as Megatron's
