@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
-from parallel import comm
+from parallel import comm, weight_grads
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -120,6 +120,7 @@ class _Fp8Linear(torch.autograd.Function):
         # The fp8 weight is kept as an attribute: an FSDP fp8 gather refills its storage in place with
         # the same bytes before the backward, which the saved-tensor version check would reject.
         ctx.gemm, ctx.w_fp8, ctx.inv_w, ctx.x_shape, ctx.inv_x = gemm, w_fp8, inv_w, x.shape, inv_x
+        ctx.sink = weight_grads.sink_of(weight)  # a zero-bubble step's W takes the weight gradient
         ctx.save_for_backward(x_fp8 if recipe.wgrad else rows)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -132,11 +133,17 @@ class _Fp8Linear(torch.autograd.Function):
         g_fp8 = quantize(grad_rows, scale_g, recipe.backward_dtype)
         inv_g = scale_g.reciprocal()
         grad_x = scaled_mm(g_fp8, ctx.w_fp8.t(), inv_g, ctx.inv_w, grad_out.dtype)
-        if recipe.wgrad:
-            grad_w = scaled_mm(g_fp8.t(), saved_x.t(), inv_g, ctx.inv_x, grad_out.dtype)
-        else:
-            grad_w = grad_rows.t() @ saved_x
-        return grad_x.view(ctx.x_shape), grad_w, None, None
+        inv_x = ctx.inv_x
+
+        def weight_grad() -> torch.Tensor:
+            # Its operands' amaxes are already recorded (the input's in forward, the gradient's above).
+            if recipe.wgrad:
+                return scaled_mm(g_fp8.t(), saved_x.t(), inv_g, inv_x, grad_out.dtype)
+            return grad_rows.t() @ saved_x
+
+        if weight_grads.defer_weight_grad(ctx.sink, weight_grad):
+            return grad_x.view(ctx.x_shape), None, None, None
+        return grad_x.view(ctx.x_shape), weight_grad(), None, None
 
 
 class Fp8Gemm(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from parallel import comm
+from parallel import comm, weight_grads
 
 SEQ_DIM = 1
 
@@ -167,8 +167,9 @@ def tp_merge(slices: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, gemm: nn.Module | None) -> torch.Tensor:
-    """x @ weight^T: a plain matmul, or the linear's own `gemm(x, weight)` (e.g. an fp8 one)."""
-    return nn.functional.linear(x, weight) if gemm is None else gemm(x, weight)
+    """x @ weight^T: a plain matmul (its weight gradient deferred in a zero-bubble step), or the linear's
+    own `gemm(x, weight)` (e.g. an fp8 one)."""
+    return weight_grads.linear(x, weight) if gemm is None else gemm(x, weight)
 
 
 class ColumnParallelLinear(nn.Module):

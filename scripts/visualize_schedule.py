@@ -2,7 +2,8 @@
 
     python scripts/visualize_schedule.py pp=4 vpp=2 microbatches=8 schedule=interleaved_1f1b out.png
 
-Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk), sends=block|async
+Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk; weight=N: the part of
+a backward that is its weight gradients, W in zb_h1, half by default), sends=block|async
 (block: a send waits for its receive, the strict model; async: a batch of sends only is not waited, as
 in the runtime) and actions=FILE (write every rank's action list, one action per line, e.g.
 `r1 F c0 m3`, to diff two schedules).
@@ -14,12 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.errors import ConfigError  # noqa: E402
-from parallel.pipeline.schedule import effective_schedule, pipeline_actions  # noqa: E402
+from parallel.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions  # noqa: E402
 from parallel.pipeline.simulate import draw_timeline, simulate, uniform_costs  # noqa: E402
 
 DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
-            "sends": "block", "actions": ""}
-USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b] OUT.png"
+            "weight": "", "sends": "block", "actions": ""}
+USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b|zb_h1] OUT.png"
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], str]:
@@ -41,7 +42,8 @@ def main(argv: list[str]) -> None:
     options, out = parse(argv)
     try:
         pp, vpp, m = int(options["pp"]), int(options["vpp"]), int(options["microbatches"])
-        costs = uniform_costs(float(options["forward"]), float(options["backward"]), float(options["p2p"]))
+        weight = float(options["weight"]) if options["weight"] else None
+        costs = uniform_costs(float(options["forward"]), float(options["backward"]), float(options["p2p"]), weight)
         programs = pipeline_actions(options["schedule"], pp, vpp, m)
         if options["sends"] not in ("block", "async"):
             raise ValueError(f"sends={options['sends']} is not one of: block | async")
@@ -53,9 +55,20 @@ def main(argv: list[str]) -> None:
     if options["actions"]:
         Path(options["actions"]).write_text("".join(f"{a}\n" for program in programs for a in program))
     peak = ", ".join(f"{p:g}" for p in timeline.peak_microbatches)
+    analytic = analytic_bubble(options["schedule"], pp, vpp, m, costs)
     print(f"{title}: makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%} "
-          f"(analytic {(pp - 1) / (vpp * m + pp - 1):.1%}), peak activations per rank (microbatches) [{peak}] -> {out}")
+          f"(analytic {'-' if analytic is None else f'{analytic:.1%}'}), "
+          f"peak activations per rank (microbatches) [{peak}] -> {out}")
 
+
+def analytic_bubble(schedule: str, pp: int, vpp: int, m: int, costs) -> float | None:
+    """(pp - 1) / (vpp m + pp - 1); for zb_h1 the paper's (pp - 1) / (3m + pp - 1), which assumes that F,
+    B and W cost the same (None otherwise)."""
+    if schedule != "zb_h1":
+        return (pp - 1) / (vpp * m + pp - 1)
+    if len({costs(Action(0, op, 0, 0)) for op in (FORWARD, BACKWARD, WEIGHT)}) > 1:
+        return None
+    return (pp - 1) / (3 * m + pp - 1)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -7,7 +7,9 @@ pre_backward : unshard (or land the prefetch), prefetch the previous unit, and q
                end of the whole backward, the fallback end for units whose inputs need no gradient
 end_of_backward : this forward's backward is over (whichever of the two comes first) -> when this
                microbatch reduces (the last; every one with grad_reduce=per_microbatch) start the
-               reduction (asynchronous, root.reductions), then reshard (ZeRO-3)
+               reduction (asynchronous, root.reductions), then reshard (ZeRO-3). In a zero-bubble
+               schedule's B the reduction waits for the weight gradients: it is queued behind the
+               unit's deferred GEMMs and starts in W (parallel/weight_grads.py)
 
 The end of a unit's backward does not depend on which parameters got gradients: a parameter unused in
 some microbatch (an unused branch, an expert without tokens) contributes nothing, and the unit still
@@ -29,7 +31,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves
 
-from parallel import comm
+from parallel import comm, weight_grads
 from parallel.fsdp.grad_sync import reduce_gradient, unsharded_grad
 
 if TYPE_CHECKING:
@@ -138,10 +140,16 @@ def end_of_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket) -> N
         return
     ticket.done = True
     if unit.reduces_now:
-        flat_grad = unsharded_grad(unit)
-        unit.release_main_grads()
-        reduction = reduce_gradient(unit, flat_grad, unit.is_last_microbatch)
-        root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())
+        reduce = partial(_start_reduction, unit, root, unit.is_last_microbatch)
+        if not weight_grads.defer(reduce):  # in a zero-bubble B, the reduction follows the unit's W GEMMs
+            reduce()
     unit.gradients_pending -= 1
     if unit.cfg.reshard_after_forward:
         unit.reshard()
+
+
+def _start_reduction(unit: FSDPUnit, root: FSDPRoot, last_microbatch: bool) -> None:
+    flat_grad = unsharded_grad(unit)
+    unit.release_main_grads()
+    reduction = reduce_gradient(unit, flat_grad, last_microbatch)
+    root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())

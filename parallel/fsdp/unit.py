@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from parallel import comm
+from parallel import comm, weight_grads
 from parallel.fsdp.flat_param import (
     FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
 )
@@ -256,6 +256,9 @@ class FSDPUnit:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _cut_views(self)
+        unit_ref = weakref.ref(self)  # the views hold the sinks: a strong reference would be a cycle
+        for index, view in enumerate(views):
+            weight_grads.set_sink(view, partial(_add_deferred_grad, unit_ref, index))
         self._views = views
         self._show_views()
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
@@ -380,6 +383,11 @@ def _cut_views(unit: FSDPUnit) -> list[torch.Tensor]:
         chunk.register_post_accumulate_grad_hook(partial(_add_chunk_grad, unit_ref, index))
         views.append(chunk.view(shape))
     return views
+
+
+def _add_deferred_grad(unit_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
+    """A zero-bubble W's weight gradient (parallel/weight_grads.py), added as a chunk's would be."""
+    accumulate_param_grad(unit_ref(), index, grad)
 
 
 def _add_chunk_grad(unit_ref: weakref.ref, index: int, chunk: torch.Tensor) -> None:

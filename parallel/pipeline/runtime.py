@@ -11,6 +11,12 @@ their gradients backward. Received activations become leaves that require grad; 
 the chunk's backward is what goes upstream. A hand-over between two chunks of one rank (the last
 stage of a round feeding the first of the next, when pp = 1) skips the network.
 
+A program with W actions (zb_h1) splits each backward: B runs under parallel/weight_grads.py's
+deferring, so the linears compute only input gradients and queue their weight-gradient GEMMs, and the
+FSDP reductions of the microbatch that reduces queue behind them; W runs that queue. The marks stay
+where they were; what moves is the reduction: into the chunk's last W, its last B's, so each unit
+still concatenates and reduces once per step.
+
 What a rank holds for p2p does not grow with the microbatch count: a stage output's data is freed as
 soon as it is handed to its send (the autograd node stays for the backward, as Megatron's
 deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
@@ -19,6 +25,7 @@ communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held a
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -26,10 +33,10 @@ from torch.autograd.variable import Variable
 from torch.distributed import ProcessGroup, Work
 from torch.profiler import record_function
 
-from parallel import comm
+from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
 from parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, RECV_B, RECV_F, Action, batched, downstream, forward_only, stage_of, transfer_key,
+    BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, forward_only, stage_of, transfer_key,
 )
 
 Inputs = Callable[[int], torch.Tensor]  # microbatch -> the first stage's input (token ids)
@@ -64,6 +71,13 @@ class PipelineRuntime:
             # accumulation) would otherwise drop the gradients of backwards that ran before it.
             raise ValueError(f"pipeline program: each chunk's first backward must be of the microbatch it runs "
                              f"forward first ({first_backward} vs {self.first_forward})")
+        self.splits_backward = any(a.op == WEIGHT for a in computes)
+        last_weight = {a.chunk: a.microbatch for a in computes if a.op == WEIGHT}
+        if self.splits_backward and last_weight != self.last_backward:
+            # The last B defers the step's reduction into its W, which must come after every other W.
+            raise ValueError(f"pipeline program: each chunk's last W must be of its last backward's microbatch "
+                             f"({last_weight} vs {self.last_backward})")
+        self._weight_work: dict[tuple[int, int], list[weight_grads.Work]] = {}  # (chunk, mb) -> B's deferred work
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
         self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the next batch
@@ -83,6 +97,16 @@ class PipelineRuntime:
     def _run(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
              keep_for_backward: bool) -> None:
         self.peak_p2p_tensors = self.peak_p2p_bytes = 0
+        with weight_grads.deferring() if keep_for_backward and self.splits_backward else nullcontext():
+            self._run_steps(steps, inputs, loss, chunk_kwargs, keep_for_backward)
+        self._wait_sends()
+        for root in self.roots:
+            root.clear_microbatch()
+        if self._saved or self._inbox or self._outbox or self._weight_work:
+            raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
+
+    def _run_steps(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
+                   keep_for_backward: bool) -> None:
         for step in steps:
             a, start = step[0], time.time()
             if self.num_stages > 1:
@@ -92,16 +116,14 @@ class PipelineRuntime:
             elif a.op == FORWARD:
                 with record_function(str(a)):
                     self._forward(a, inputs, loss, chunk_kwargs, keep_for_backward)
-            else:
+            elif a.op == BACKWARD:
                 with record_function(str(a)):
                     self._backward(a)
+            else:
+                with record_function(str(a)):
+                    self._weight(a)
             if self.trace is not None:
                 self.trace.append((a, start, time.time()))
-        self._wait_sends()
-        for root in self.roots:
-            root.clear_microbatch()
-        if self._saved or self._inbox or self._outbox:
-            raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
 
     def _mark(self, a: Action) -> None:
         self.roots[a.chunk].set_microbatch(
@@ -137,8 +159,16 @@ class PipelineRuntime:
             # which may be freed (sent); the engine checks it against y's autograd metadata.
             grad = self._inbox.pop((BACKWARD, stage, a.microbatch))
             Variable._execution_engine.run_backward((y,), (grad,), False, False, (), True, True)
+        if self.splits_backward:
+            self._weight_work[(a.chunk, a.microbatch)] = weight_grads.take()
         if stage > 0:
             self._route(a, BACKWARD, stage, x.grad)
+
+    @torch.no_grad()  # as in the backward the work was deferred from
+    def _weight(self, a: Action) -> None:
+        """W: the weight-gradient GEMMs its B deferred, and the FSDP reductions queued behind them."""
+        for work in self._weight_work.pop((a.chunk, a.microbatch)):
+            work()
 
     def _route(self, a: Action, op: str, stage: int, tensor: torch.Tensor) -> bool:
         """Hand an output to its consumer; True when it goes out through the network."""

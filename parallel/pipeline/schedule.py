@@ -7,11 +7,13 @@ Building a schedule has two parts:
 
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
-   backwards) or `interleaved_1f1b` (Megatron's order over groups of microbatches, the group size
-   searched: see interleaved_group). As in Megatron, `1f1b` over more than one chunk per rank is the
-   interleaved one: virtual stages alone turn interleaving on.
+   backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the group size
+   searched: see interleaved_group) or `zb_h1` (1F1B with each backward split into B, the input
+   gradient, and W, the weight gradients, deferred to fill the bubble: see _zero_bubble_h1). As in
+   Megatron, `1f1b` over more than one chunk per rank is the interleaved one: virtual stages alone
+   turn interleaving on.
 2. The point-to-point transfers, placed by list-scheduling the compute orders with unit costs
-   (forward 1, backward 2): the transfer of an output finished at time t goes into communication
+   (forward 1, backward 2, or B 1 and W 1 when split): the transfer of an output finished at time t goes into communication
    batch "t" of both sender and receiver. Every rank's batches are then in increasing t, and each
    batch's operations are matched by batches of the same t on the peers, so no rank can wait on a
    batch that waits on it: no deadlock by construction, with NCCL's blocking semantics (a send waits
@@ -27,11 +29,13 @@ from functools import lru_cache
 
 from parallel.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-FORWARD, BACKWARD = "F", "B"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# W: the weight gradients of a backward whose B computed only the input gradient (zb_h1).
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-# Unit costs used to place transfers (backward computes two matmuls per forward one).
-_PLACEMENT_COST = {FORWARD: 1, BACKWARD: 2}
+# Unit costs used to place transfers: a backward computes two matmuls per forward one, one for the
+# input gradient (B) and one for the weights' (W).
+_PLACEMENT_COST = {FORWARD: 1, BACKWARD: 2, WEIGHT: 1}
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.op in (FORWARD, BACKWARD)
+        return self.op in (FORWARD, BACKWARD, WEIGHT)
 
     def __str__(self) -> str:
         text = f"r{self.rank} {self.op} c{self.chunk} m{self.microbatch}"
@@ -75,6 +79,11 @@ def check_layout(schedule: str, vpp: int) -> None:
             f"pipeline_schedule=gpipe runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
             f"gives {vpp}; use pipeline_schedule=1f1b (interleaved) or unset num_layers_per_virtual_pipeline_stage"
         )
+    if schedule == "zb_h1" and vpp > 1:
+        raise ConfigError(
+            f"pipeline_schedule=zb_h1 runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
+            f"gives {vpp}; unset num_layers_per_virtual_pipeline_stage or use pipeline_schedule=1f1b (interleaved)"
+        )
 
 
 def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
@@ -85,6 +94,8 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int
         raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
     if schedule == "interleaved_1f1b":
         return _interleaved_order(pp, vpp, microbatches, rank, interleaved_group(pp, vpp, microbatches))
+    if schedule == "zb_h1":
+        return _zero_bubble_h1(pp, microbatches, rank)
     forwards = [(0, mb) for mb in range(microbatches)]
     warmup = microbatches if schedule == "gpipe" else min(pp - rank - 1, microbatches)
     return _one_f_one_b(rank, forwards, forwards, warmup)
@@ -150,13 +161,40 @@ def _one_f_one_b(rank: int, forwards: list, backwards: list, warmup: int) -> lis
     return order
 
 
+def _zero_bubble_h1(pp: int, microbatches: int, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and input
+    gradients (B), each B followed by a W; rank r holds its first r W back, runs the later ones r
+    behind their B and the held ones at the end, where they fill the cool-down's wait for B's from
+    downstream. A microbatch's activations live from F to W: at most pp on any rank, as in 1F1B. Ws run
+    in B order, so each chunk's last W is its last B's (the one that reduces FSDP's gradients)."""
+    warmup = min(pp - rank - 1, microbatches)
+    order = [Action(rank, FORWARD, 0, mb) for mb in range(warmup)]
+    weights = 0
+    for mb in range(microbatches):
+        if warmup + mb < microbatches:
+            order.append(Action(rank, FORWARD, 0, warmup + mb))
+        order.append(Action(rank, BACKWARD, 0, mb))
+        if mb >= rank:
+            order.append(Action(rank, WEIGHT, 0, weights))
+            weights += 1
+    return order + [Action(rank, WEIGHT, 0, mb) for mb in range(weights, microbatches)]
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule's backwards are B (input gradient) plus a later W (weight gradients)."""
+    return schedule == "zb_h1"
+
+
 def stage_of(action: Action, pp: int) -> int:
     return action.chunk * pp + action.rank
 
 
 def upstream(stage: int, op: str, num_stages: int) -> int | None:
     """The stage whose output this stage's op consumes: the previous stage's activation for a
-    forward, the next stage's input gradient for a backward; None at the pipeline's ends."""
+    forward, the next stage's input gradient for a backward; None at the pipeline's ends, and for W
+    (it reads what its own B left)."""
+    if op == WEIGHT:
+        return None
     if op == FORWARD:
         return stage - 1 if stage > 0 else None
     return stage + 1 if stage < num_stages - 1 else None
@@ -164,7 +202,10 @@ def upstream(stage: int, op: str, num_stages: int) -> int | None:
 
 def downstream(stage: int, op: str, num_stages: int) -> int | None:
     """The stage that consumes this stage's output of op: the next stage's forward takes a forward's
-    activation, the previous stage's backward a backward's input gradient; None at the ends."""
+    activation, the previous stage's backward a backward's input gradient; None at the ends, and
+    for W (nothing waits for it)."""
+    if op == WEIGHT:
+        return None
     if op == FORWARD:
         return stage + 1 if stage < num_stages - 1 else None
     return stage - 1 if stage > 0 else None
@@ -218,7 +259,8 @@ def _list_schedule(orders: list[list[Action]], pp: int, vpp: int, schedule: str,
                 if ready is None:
                     break
                 start[a] = max(free_at[rank], ready)
-                end[a] = free_at[rank] = start[a] + _PLACEMENT_COST[a.op]
+                cost = 1 if a.op == BACKWARD and splits_backward(schedule) else _PLACEMENT_COST[a.op]
+                end[a] = free_at[rank] = start[a] + cost
                 done[(a.op, stage_of(a, pp), a.microbatch)] = end[a]
                 position[rank] += 1
                 remaining -= 1
@@ -235,8 +277,8 @@ def _ready_time(a: Action, pp: int, num_stages: int, done: dict) -> int | None:
     """When a compute action's inputs exist (None: not yet computed)."""
     stage = stage_of(a, pp)
     needs = []
-    if a.op == BACKWARD:
-        needs.append((FORWARD, stage, a.microbatch))
+    if a.op in (BACKWARD, WEIGHT):  # a backward after its forward, a W after its B
+        needs.append((FORWARD if a.op == BACKWARD else BACKWARD, stage, a.microbatch))
     source = upstream(stage, a.op, num_stages)
     if source is not None:
         needs.append((a.op, source, a.microbatch))

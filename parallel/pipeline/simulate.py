@@ -7,15 +7,19 @@ that (`sends_block=True`): a send waits for its receive, the strictest semantics
 completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does: it
 waits for a batch's receives only, and for its sends at its next batch, before posting that one. On
 `backend="nccl"` a batch is one work, so waiting its receives waits its sends too; on "gloo" each
-operation is its own work. The simulation also checks that every compute finds its input already
+operation is its own work. A cost function prices a backward's two halves apart, B (the input
+gradient) and W (the weight gradients); a program without W actions runs both halves in its B. The
+simulation also checks that every compute finds its input already
 there and every send is received, so it validates the schedule it times.
 """
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from parallel.pipeline.schedule import BACKWARD, FORWARD, Action, batched, downstream, stage_of, transfer_key, upstream
+from parallel.pipeline.schedule import (
+    BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, stage_of, transfer_key, upstream,
+)
 
 CostFn = Callable[[Action], float]
 
@@ -24,8 +28,11 @@ class ScheduleError(RuntimeError):
     """An action list that deadlocks or computes before its input exists."""
 
 
-def uniform_costs(forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0) -> CostFn:
-    return lambda a: forward if a.op == FORWARD else backward if a.op == BACKWARD else p2p
+def uniform_costs(forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0, weight: float | None = None) -> CostFn:
+    """`backward` is a whole backward's cost, of which `weight` (half by default) is W's."""
+    weight = backward / 2 if weight is None else weight
+    costs = {FORWARD: forward, BACKWARD: backward - weight, WEIGHT: weight}
+    return lambda a: costs.get(a.op, p2p)
 
 
 def random_costs(seed: int) -> CostFn:
@@ -81,6 +88,7 @@ class _Simulation:
         self.pp, self.num_stages, self.cost, self.sends_block = pp, pp * vpp, cost, sends_block
         self.batch_is_one_work = backend == "nccl"
         self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
+        self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
         self.steps = [batched(list(p)) for p in programs]
         self.position, self.clock = [0] * pp, [0.0] * pp
         self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
@@ -112,20 +120,27 @@ class _Simulation:
     def _compute(self, rank: int, a: Action) -> bool:
         stage = stage_of(a, self.pp)
         needs = [(a.op, stage, a.microbatch)] if upstream(stage, a.op, self.num_stages) is not None else []
-        if a.op == BACKWARD:
-            needs.append(("done", stage, a.microbatch))
+        if a.op in (BACKWARD, WEIGHT):  # its forward's activations, its B's stash
+            needs.append(("done" if a.op == BACKWARD else "input gradient", stage, a.microbatch))
         missing = [n for n in needs if n not in self.available[rank]]
         if missing:
             raise ScheduleError(f"{a} runs before its input {missing[0]} is on rank {rank}")
         start = self.clock[rank]
-        self.clock[rank] = start + self.cost(a)
+        cost = self.cost(a)
+        if a.op == BACKWARD and not self.splits[rank]:
+            cost += self.cost(replace(a, op=WEIGHT))
+        self.clock[rank] = start + cost
         self.timeline.spans[rank].append(Span(a, start, self.clock[rank]))
         consumer = downstream(stage, a.op, self.num_stages)
         if consumer is not None and consumer % self.pp == rank:  # hand-over between local chunks
             self.available[rank].add((a.op, consumer, a.microbatch))
         if a.op == FORWARD:
             self.available[rank].add(("done", stage, a.microbatch))
-        self.in_flight[rank] += 1 if a.op == FORWARD else -1
+        if a.op == BACKWARD:
+            self.available[rank].add(("input gradient", stage, a.microbatch))
+        # Activations live until the backward's last half: W where it is apart.
+        frees = a.op == WEIGHT or (a.op == BACKWARD and not self.splits[rank])
+        self.in_flight[rank] += 1 if a.op == FORWARD else -1 if frees else 0
         peak = self.timeline.peak_in_flight
         peak[rank] = max(peak[rank], self.in_flight[rank])
         return True
@@ -166,7 +181,8 @@ def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_bloc
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
-    """One row per rank, one colour per microbatch; forwards light, backwards dark, chunks labelled."""
+    """One row per rank, one colour per microbatch; forwards light, backwards dark, weight gradients (W)
+    between and hatched, chunks labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,10 +195,10 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
     for rank, spans in enumerate(timeline.spans):
         for s in spans:
             base = to_rgb(palette(s.action.microbatch % palette.N))
-            shade = 0.55 if s.action.op == FORWARD else 0.0  # mix forwards with white
+            shade = {FORWARD: 0.55, WEIGHT: 0.3}.get(s.action.op, 0.0)  # mix with white
             color = tuple(c + (1 - c) * shade for c in base)
             ax.broken_barh([(s.start, s.end - s.start)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black",
-                           linewidth=0.5)
+                           linewidth=0.5, hatch="//" if s.action.op == WEIGHT else None)
             label = f"{s.action.op}{s.action.microbatch}" + (f"c{s.action.chunk}" if timeline.vpp > 1 else "")
             ax.text((s.start + s.end) / 2, rank, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])

@@ -3,15 +3,16 @@ the same layout in bf16 with four microbatches (bitwise with optimize_backward_c
 identical scales on every rank, ONE amax all-reduce per step, bitwise determinism and bitwise parity
 with optimize_backward_concat on and off, and the fp8 all-gather: bitwise the same training in fp32
 compute and under activation checkpointing, with a quarter of the fp32 (half of the bf16) weight bytes
-per gather."""
+per gather; and ZB-H1 on tp2 x pp2 x dp2, whose deferred weight-gradient GEMMs train as 1F1B's."""
 
 import math
+from dataclasses import replace
 
 import torch
 
 from model.fp8 import INPUT, WEIGHT, fp8_gemms
 from parallel import comm
-from tests.distributed.pipeline_cases import SEQ, config, reference_of, train
+from tests.distributed.pipeline_cases import SEQ, config, make_trainer, reference_of, train
 from tests.distributed.spawn import run_ranks
 
 # Every fp8 GEMM dimension a multiple of 16 under tp=2: head_dim 16, ffn hidden 96, 2 x 8 tokens.
@@ -67,6 +68,7 @@ def _check_fp8(rank: int, world: int) -> None:
 
     _check_first_step(world)
     _check_fp8_all_gather(world)
+    _check_zero_bubble(world)
 
 
 def _check_first_step(world: int) -> None:
@@ -113,6 +115,23 @@ def _check_fp8_all_gather(world: int) -> None:
     assert plain[-1].comm["all_gather"]["bytes"] / gathers_per_step - other_bytes == 4 * block_elements
     bf16_block_bytes = 2 * block_elements
     assert fp8_bytes <= bf16_block_bytes / 2 + norm_bound
+
+
+def _check_zero_bubble(world: int) -> None:
+    """tp2 x pp2 x dp2, four microbatches: the W GEMMs read the fp8 operands their B quantized (whose
+    amaxes it recorded), so ZB-H1 trains and scales as 1F1B does, in both fp8 weight-gradient modes."""
+    for wgrad in (True, False):
+        cfg = fp8_config(model={"fp8_wgrad": wgrad}, pipeline_parallel_size=2, batch_size=8)
+        plain_trainer, plain = train(cfg, world)
+        trainer = make_trainer(replace(cfg, pipeline_schedule="zb_h1"), world)
+        runtime, works = trainer.runtime, []
+        weight = runtime._weight
+        runtime._weight = lambda a: (works.append(len(runtime._weight_work[(a.chunk, a.microbatch)])), weight(a))
+        zero_bubble = [trainer.train_step(step) for step in range(1, trainer.cfg.steps + 1)]
+        assert trainer.cfg.num_microbatches == 4 and trainer.mesh.dims.dp == 2
+        assert min(works) >= len(fp8_gemms(trainer.chunks)) > 0, works  # each W runs every fp8 GEMM's
+        assert reference_of(zero_bubble) == reference_of(plain), (wgrad, reference_of(zero_bubble), reference_of(plain))
+        assert torch.equal(_scaling_state(trainer), _scaling_state(plain_trainer)), wgrad
 
 
 def test_fp8_on_tp2_dp4():

@@ -2,9 +2,10 @@
 chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
 single-process losses and gradient norms; uneven first and last stages, and their checkpoint on an even
 split; exact per-step collective counts; one flat-grad concat per unit per step; p2p memory independent
-of the microbatch count; and the 8-rank tp x pp x dp composition (bf16 bitwise with
+of the microbatch count; ZB-H1 against 1F1B, its weight gradients and reductions in W; and the 8-rank tp x pp x dp composition (bf16 bitwise with
 optimize_backward_concat on and off, fp32 against tp=1/pp=1/dp=1)."""
 
+import itertools
 import weakref
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch.autograd.profiler import profile
 from parallel import comm
 from parallel.fsdp import CONCAT_EVENT
 from parallel.random import RNGStreams
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.distributed.pipeline_cases import (
     MODEL, SEQ, FixedSampler, assert_matches, checkpoint_state_of, config, expected_p2p, make_trainer,
     read_references, reference_of, train, write_references,
@@ -89,10 +91,13 @@ def _check_one_concat_per_unit(rank: int, world: int) -> None:
 
 
 def _check_composition_on_4_ranks(rank: int, world: int, reference: dict) -> None:
-    """HSDP (2 replicas of pp=2, the replica all-reduce asynchronous per unit) and activation checkpointing."""
-    for overrides in ({"dp_replicate": 2}, {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}}):
-        cfg = config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", batch_size=3,
-                     num_layers_per_virtual_pipeline_stage=2, reshard_after_forward=True, **overrides)
+    """HSDP (2 replicas of pp=2, the replica all-reduce asynchronous per unit) and activation checkpointing,
+    interleaved and ZB-H1 (whose Ws keep the recomputed operands of their GEMMs)."""
+    interleaved = dict(pipeline_schedule="interleaved_1f1b", num_layers_per_virtual_pipeline_stage=2)
+    zero_bubble = dict(pipeline_schedule="zb_h1", num_layers_per_virtual_pipeline_stage=None)
+    for overrides in ({"dp_replicate": 2}, {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}},
+                      {"model": {"layer_ckpt": "full"}} | zero_bubble, {"model": {"layer_ckpt": "selective"}} | zero_bubble):
+        cfg = config(pipeline_parallel_size=2, batch_size=3, reshard_after_forward=True, **(interleaved | overrides))
         trainer, metrics = train(cfg, world)
         assert_matches(metrics, reference[6], str(overrides))
         units = sum(len(root.units) for root in trainer.roots)
@@ -123,6 +128,55 @@ def _check_each_chunk_reduces_in_its_own_last_backward(rank: int, world: int) ->
         last = runtime.last_backward[chunk]
         assert [(mb, n) for c, mb, n in reductions if c == chunk and n] == [(last, len(root.units))], reductions
     assert reductions[-1][0] == 0 and any(n for c, _, n in reductions[:-1] if c == 1)
+
+
+def _zero_bubble_step_record(trainer) -> list[tuple]:
+    """(op, chunk, microbatch, deferred works it ran, FSDP reductions it started) of every B and W."""
+    runtime, record, started = trainer.runtime, [], [0]
+    for root in trainer.roots:
+        push = root.reductions.push
+        root.reductions.push = lambda *args, push=push: (started.__setitem__(0, started[0] + 1), push(*args))
+
+    def recording(run, a):
+        before, works = started[0], len(runtime._weight_work.get((a.chunk, a.microbatch), []))
+        run(a)
+        record.append((a.op, a.chunk, a.microbatch, works if a.op == "W" else 0, started[0] - before))
+
+    backward, weight = runtime._backward, runtime._weight
+    runtime._backward = lambda a: recording(backward, a)
+    runtime._weight = lambda a: recording(weight, a)
+    return record
+
+
+def _check_zero_bubble_h1(rank: int, world: int) -> None:
+    """ZB-H1 on pp 2 (dp 2) and pp 4, M 4 and 8, ZeRO-3 and ZeRO-2: losses and gradient norms within
+    1e-6 of 1F1B's, bitwise with optimize_backward_concat on and off. Each W runs one deferred GEMM per
+    linear of its chunk; B starts no reduction; each unit reduces once per step, in its chunk's last W
+    (one reduce-scatter at dp 2), and concatenates as often as under 1F1B."""
+    for pp, m in itertools.product((2, 4), (4, 8)):
+        layout = dict(pipeline_parallel_size=pp, batch_size=m, steps=2, reshard_after_forward=m == 4)
+        _, plain = train(config(**layout), world)
+        runs = []
+        for optimize in (False, True):
+            label = f"zb_h1 pp{pp} m{m} optimize_backward_concat={optimize}"
+            trainer = make_trainer(config(pipeline_schedule="zb_h1", optimize_backward_concat=optimize, **layout), world)
+            record = _zero_bubble_step_record(trainer)
+            with profile() as prof:
+                metrics = [trainer.train_step(step) for step in (1, 2)]
+            runs.append(reference_of(metrics))
+            assert_matches(metrics, reference_of(plain), label, rel=1e-6)
+            units = sum(len(root.units) for root in trainer.roots)
+            concats = sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
+            assert concats == 2 * units * (1 if optimize else m), (label, concats)
+            linears = sum(isinstance(x, (ColumnParallelLinear, RowParallelLinear)) for x in trainer.chunks[0].modules())
+            assert linears and len(record) == 2 * 2 * m, (label, record)
+            for op, _, mb, works, reductions in record:
+                last = op == "W" and mb == m - 1
+                assert reductions == (units if last else 0), (label, record)
+                assert works == (linears + units if last else linears if op == "W" else 0), (label, record)
+            ledger = metrics[-1].comm
+            assert ledger.get("reduce_scatter", {"count": 0})["count"] == (units if world > pp else 0), (label, ledger)
+        assert runs[0] == runs[1], (pp, m, runs)
 
 
 def _check_a_loader_of_other_shapes_is_refused(rank: int, world: int) -> None:
@@ -201,6 +255,7 @@ def _pipeline_ranks(rank: int, world: int, reference: dict, reference_6_layers: 
     _check_one_concat_per_unit(rank, world)
     _check_composition_on_4_ranks(rank, world, reference)
     _check_each_chunk_reduces_in_its_own_last_backward(rank, world)
+    _check_zero_bubble_h1(rank, world)
     _check_a_loader_of_other_shapes_is_refused(rank, world)
 
 
@@ -209,8 +264,8 @@ def test_pipeline_layouts_match_one_process(reference, reference_6_layers, tmp_p
 
 
 def _composition(rank: int, world: int, reference: dict) -> None:
-    """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b, 2 for interleaved."""
-    for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2)):
+    """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b/zb_h1, 2 for interleaved."""
+    for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2), ("zb_h1", 4)):
         layout = dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule=schedule,
                       num_layers_per_virtual_pipeline_stage=per_stage, model={"sequence_parallel": True})
         # Two steps: the second step's loss already carries every gradient of the first.

@@ -1,6 +1,6 @@
 """model.use_te_layers wiring on CPU: the trainer's model with TransformerEngine blocks (model/te.py) run on
 a CPU stand-in of TE's modules (tests/fake_te) trains exactly like the in-tree blocks under
-tp x SP x FSDP (ZeRO-3, optimize_backward_concat) and tp x pp (1F1B): the same parameters, names and
+tp x SP x FSDP (ZeRO-3, optimize_backward_concat) and tp x pp (1F1B and ZB-H1): the same parameters, names and
 initial values, TE's weight gradients written into FSDP's accumulator through main_grad, the
 scheduler's first-microbatch marks reaching TE's forward, and TE's autocast entered with the amax
 group. With fp8, TE's scaling state goes into checkpoints and a resume continues it bitwise.
@@ -31,6 +31,8 @@ LAYOUTS = {
                                    optimize_backward_concat=True),
     "tp2 pp2 1f1b zero2": dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4,
                                reshard_after_forward=False),
+    # TE writes its weight gradients in B; the reduction still waits for W.
+    "tp2 pp2 zb_h1 zero3": dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule="zb_h1"),
 }
 
 

@@ -181,7 +181,7 @@ class TrainConfig:
 
 
 ENUMS = {
-    "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
     "context_parallel_comm": ("all_gather", "ring"),
     "compute_dtype": (None, "bf16", "fp32"),
     "reduce_dtype": ("bf16", "fp32"),

@@ -30,11 +30,13 @@ def test_every_schedule_is_valid_and_never_deadlocks():
         programs = pipeline_actions(schedule, pp, vpp, m)
         for rank, program in enumerate(programs):
             computes = [(a.op, a.chunk, a.microbatch) for a in program if a.is_compute]
-            expected = {(op, c, mb) for op in "FB" for c in range(vpp) for mb in range(m)}
+            ops = "FBW" if schedule == "zb_h1" else "FB"
+            expected = {(op, c, mb) for op in ops for c in range(vpp) for mb in range(m)}
             assert sorted(computes) == sorted(expected), (schedule, pp, vpp, m, rank)  # each exactly once
             for op, c, mb in computes:
-                if op == "B":  # every backward after its own forward
-                    assert computes.index(("F", c, mb)) < computes.index(("B", c, mb))
+                if op in "BW":  # every backward after its own forward, every W after its own B
+                    before = "F" if op == "B" else "B"
+                    assert computes.index((before, c, mb)) < computes.index((op, c, mb))
             assert all(a.rank == rank for a in program)
         # Timings of every kind: the simulator raises on a deadlock or on a compute without its input.
         for seed in range(3):
@@ -82,7 +84,7 @@ def test_the_runtime_refuses_a_program_whose_first_backward_is_not_the_first_mic
 @pytest.mark.parametrize("costs", [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)])
 def test_gpipe_and_1f1b_bubbles_are_analytic(costs):
     for schedule, pp, vpp, m in _cases():
-        if schedule == "interleaved_1f1b":
+        if schedule not in ("gpipe", "1f1b"):
             continue
         timeline = simulate(pipeline_actions(schedule, pp, vpp, m), pp, vpp, uniform_costs(*costs))
         assert timeline.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12), (schedule, pp, m)
@@ -157,6 +159,7 @@ def test_1f1b_with_virtual_stages_is_the_interleaved_schedule():
 @pytest.mark.parametrize("schedule, pp, vpp, m, message", [
     ("interleaved_1f1b", 2, 1, 4, "needs at least 2 virtual stages"),
     ("gpipe", 2, 2, 4, "runs one chunk per rank"),
+    ("zb_h1", 2, 2, 4, "pipeline_schedule=zb_h1 runs one chunk per rank"),
     ("zero_bubble", 2, 1, 4, "pipeline_schedule=zero_bubble is not one of"),
     ("1f1b", 2, 1, 0, "must be >= 1"),
 ])
@@ -166,11 +169,11 @@ def test_bad_layouts_are_one_line(schedule, pp, vpp, m, message):
     assert "\n" not in str(err.value)
 
 
-def test_visualize_schedule_draws_a_png(tmp_path):
+@pytest.mark.parametrize("layout", [["vpp=2", "schedule=interleaved_1f1b"], ["schedule=zb_h1", "weight=1"]])
+def test_visualize_schedule_draws_a_png(tmp_path, layout):
     out = tmp_path / "schedule.png"
     proc = subprocess.run(
-        [sys.executable, "scripts/visualize_schedule.py", "pp=4", "vpp=2", "microbatches=8",
-         "schedule=interleaved_1f1b", str(out)],
+        [sys.executable, "scripts/visualize_schedule.py", "pp=4", "microbatches=8", *layout, str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -224,3 +227,35 @@ def test_simulator_refuses_a_send_that_is_never_received():
     rank_0 = [Action(0, "F", 0, 0), Action(0, "SEND_F", 0, 0, peer=1)]
     with pytest.raises(ScheduleError, match="never received"):  # rank 1's program forgot its receive
         simulate([rank_0, []], 2, 1, sends_block=False)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zero_bubble_h1_halves_1f1bs_bubble_at_equal_costs_and_holds_as_much(pp):
+    """Forward, input gradient (B) and weight gradient (W) at one unit each: for M >= 2pp ZB-H1's bubble
+    is (pp - 1) / (3M + pp - 1), a third of 1F1B's, strictly and with the runtime's sends; its peak
+    activations (held from F to W) are 1F1B's."""
+    costs = uniform_costs(forward=1.0, backward=2.0, weight=1.0)
+    for m in range(2 * pp, 4 * pp + 1):
+        zero_bubble, plain = (pipeline_actions(s, pp, 1, m) for s in ("zb_h1", "1f1b"))
+        for sends_block in (True, False):
+            zb = simulate(zero_bubble, pp, 1, costs, sends_block=sends_block)
+            one_f_one_b = simulate(plain, pp, 1, costs, sends_block=sends_block)
+            assert zb.bubble_fraction <= one_f_one_b.bubble_fraction / 2, (pp, m, sends_block)
+            assert zb.bubble_fraction == pytest.approx((pp - 1) / (3 * m + pp - 1), abs=1e-12), (pp, m)
+            assert max(zb.peak_microbatches) == max(one_f_one_b.peak_microbatches) == pp, (pp, m)
+
+
+def test_zero_bubble_h1_runs_ws_in_backward_order_with_the_last_one_last():
+    """W of a microbatch after its B, Ws in B order: the chunk's last W is its last B's, which reduces."""
+    for pp, m in itertools.product((1, 2, 4), (1, 3, 4, 8)):
+        for program in pipeline_actions("zb_h1", pp, 1, m):
+            assert [a.microbatch for a in program if a.op == "W"] == list(range(m)), (pp, m)
+            assert str(next(a for a in program if a.op == "W")).startswith(f"r{program[0].rank} W c0 m0")
+
+
+def test_the_runtime_refuses_a_program_whose_last_w_is_not_its_last_backwards():
+    program = list(pipeline_actions("zb_h1", 1, 1, 2)[0])
+    w0, w1 = (i for i, a in enumerate(program) if a.op == "W")
+    program[w0], program[w1] = program[w1], program[w0]
+    with pytest.raises(ValueError, match="last W must be of its last backward's microbatch"):
+        PipelineRuntime(program, 1, [], [], None, (1, 1, 1), torch.float32, torch.device("cpu"))

@@ -110,6 +110,10 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
           "pipeline_schedule=gpipe"], 2,
          "pipeline_schedule=gpipe runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
+        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
+          "pipeline_schedule=zb_h1"], 2,
+         "pipeline_schedule=zb_h1 runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
+        (["pipeline_schedule=zero_bubble"], 1, "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1"),
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
         (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
         (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),
@@ -181,6 +185,16 @@ def test_settings_that_ask_for_what_another_gives_are_accepted():
     cfg = load("log_all_steps=true", "log_freq=1")
     validate(cfg, world_size=1)
     assert cfg.log_freq == 1 and cfg.log_all_steps
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["pipeline_schedule=zb_h1"], 1),
+    (["pipeline_schedule=zb_h1", "pipeline_parallel_size=4", "model.n_layers=4", "batch_size=3"], 4),
+    (["pipeline_schedule=zb_h1", "pipeline_parallel_size=2", "model_parallel_size=2", "model.sequence_parallel=true",
+      "model.layer_ckpt=selective", "reshard_after_forward=false"], 4),
+])
+def test_zero_bubble_h1_is_accepted_on_one_chunk_per_rank(overrides, world):
+    validate(load(*overrides), world_size=world)
 
 
 def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused():
