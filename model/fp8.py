@@ -27,6 +27,7 @@ inverse scales and return the compute dtype. With `wgrad=False` the weight gradi
 compute dtype from the saved high-precision input (and the unquantized output gradient).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,17 +134,24 @@ class _Fp8Linear(torch.autograd.Function):
         g_fp8 = quantize(grad_rows, scale_g, recipe.backward_dtype)
         inv_g = scale_g.reciprocal()
         grad_x = scaled_mm(g_fp8, ctx.w_fp8.t(), inv_g, ctx.inv_w, grad_out.dtype)
-        inv_x = ctx.inv_x
-
-        def weight_grad() -> torch.Tensor:
-            # Its operands' amaxes are already recorded (the input's in forward, the gradient's above).
-            if recipe.wgrad:
-                return scaled_mm(g_fp8.t(), saved_x.t(), inv_g, inv_x, grad_out.dtype)
-            return grad_rows.t() @ saved_x
+        weight_grad = _fp8_weight_grad(g_fp8, saved_x, inv_g, ctx.inv_x, grad_out.dtype) if recipe.wgrad \
+            else _weight_grad(grad_rows, saved_x)
 
         if weight_grads.defer_weight_grad(ctx.sink, weight_grad):
             return grad_x.view(ctx.x_shape), None, None, None
         return grad_x.view(ctx.x_shape), weight_grad(), None, None
+
+
+def _fp8_weight_grad(g_fp8: torch.Tensor, x_fp8: torch.Tensor, inv_g: torch.Tensor, inv_x: torch.Tensor,
+                     dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """The weight gradient's fp8 GEMM, holding only its fp8 operands (a zero-bubble W may run it much
+    later); their amaxes are already recorded (the input's in forward, the gradient's in backward)."""
+    return lambda: scaled_mm(g_fp8.t(), x_fp8.t(), inv_g, inv_x, dtype)
+
+
+def _weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The weight gradient in the compute dtype, holding only the gradient and the input rows."""
+    return lambda: grad_rows.t() @ rows
 
 
 class Fp8Gemm(nn.Module):
