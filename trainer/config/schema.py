@@ -47,6 +47,7 @@ class DataConfig:
     text_key: str = "text"
     bad_records: str = "error"
     max_bad_fraction: float = 0.001
+    prepare_workers: int | None = None  # processes that tokenize; None: every usable core
 
 
 @dataclass

@@ -37,6 +37,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
         is_main_rank=rank == 0, log=log, timeout_s=cfg.data.prepare_timeout_s, agree=agree or same_data_on_every_rank,
         tokenizer_key=choice.key, padding=vocab_padding(cfg),
         fmt=RecordFormat(cfg.data.text_key, cfg.data.bad_records, cfg.data.max_bad_fraction),
+        workers=cfg.data.prepare_workers,
     )
     global_batch = cfg.batch_size * dp_size
     tokens.num_sequences(cfg.seq_len)  # refuses data shorter than one sequence in a line naming seq_len
