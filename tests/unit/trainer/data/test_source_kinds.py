@@ -1,6 +1,7 @@
 """Every source kind packs the same tokens as the same documents in .txt/.jsonl form, bit for bit; what is
 not a source, or not whole, is one line."""
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +137,20 @@ def test_a_folder_of_every_kind_packs_as_its_text_form(tmp_path, tokenizer) -> N
     assert left_out == []  # c.idx is half of c's pair, not a file left out
     text = text_form_of_every_kind(tmp_path / "texts", DOCUMENTS)
     assert _pack(mixed, tokenizer, tmp_path / "c") == _pack(text, tokenizer, tmp_path / "c")
+
+
+def test_a_tokenizer_is_trained_on_table_sources(tmp_path) -> None:
+    """With no data.tokenizer, the BPE is trained on the text a table holds (the column, not the file)."""
+    source = write_parquet(tmp_path / "docs.parquet", DOCUMENTS * 5)
+    tokenizer, tokens = prepare_dataset(str(source), None, 320, tmp_path / "c", True, print)
+    assert tokenizer.vocab_size == 320
+    assert tokenizer.decode(tokenizer.encode(DOCUMENTS[3])) == DOCUMENTS[3]
+    assert tokens.meta["num_documents"] == len(DOCUMENTS) * 5
+
+
+def test_a_missing_reader_package_is_one_line(tmp_path, tokenizer, monkeypatch) -> None:
+    source = write_parquet(tmp_path / "docs.parquet", DOCUMENTS)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"data\.source: reading Parquet files needs the pyarrow package, which is "
+                                          r"not installed \(pip install 'llm-trainer\[data\]'\)"):
+        _pack(source, tokenizer, tmp_path / "c")
