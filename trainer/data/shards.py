@@ -82,7 +82,7 @@ class _Packer:
         self._file_size = self._file_bytes = 0
 
     def finish(self) -> None:
-        if self._pending:
+        if self._pending or self._pending_files:  # files ended after the last batch still count as done
             self._submit()
         while self._in_flight:
             self._write_next()

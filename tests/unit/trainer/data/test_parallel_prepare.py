@@ -39,6 +39,8 @@ def test_workers_write_the_bytes_one_process_writes(tmp_path, tokenizer) -> None
     assert pooled == one
     assert "data: tokenizing in 2 worker processes" in pool_logs
     assert not any("worker" in line for line in one_logs)
+    for logs in (one_logs, pool_logs):  # the last line counts every file, those ended after the last batch too
+        assert f"] 100% {len(files)}/{len(files)} files" in logs[-1], logs
     assert len(one[TOKENS_FILE]) > 20 * 2000 // 4  # well past one batch: the workers had several each
 
 
