@@ -14,6 +14,7 @@ from trainer.data.prepare import prepare_dataset
 from trainer.data.records import RecordFormat
 from trainer.data.shards import TOKENS_FILE
 from trainer.data.sources import list_source
+from trainer.data.tokenizer import load_tokenizer
 from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
 
 
@@ -154,3 +155,22 @@ def test_a_missing_reader_package_is_one_line(tmp_path, tokenizer, monkeypatch) 
     with pytest.raises(ConfigError, match=r"data\.source: reading Parquet files needs the pyarrow package, which is "
                                           r"not installed \(pip install 'llm-trainer\[data\]'\)"):
         _pack(source, tokenizer, tmp_path / "c")
+
+
+def test_a_vocabulary_above_65536_reads_int32_ids_and_packs_them_wider(tmp_path) -> None:
+    """What preprocess_data.py writes for a large vocabulary (int32 ids past uint16's range) packs as
+    the same documents' text does, in uint32."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<s>": 0, "</s>": 1, "[UNK]": 2} | {f"w{i}": i + 3 for i in range(70_000)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    documents = [" ".join(f"w{i}" for i in rng.integers(0, 70_000, 30)) for _ in range(20)]
+    expected = _pack(write_jsonl(tmp_path / "docs.jsonl", documents), tokenizer, tmp_path / "c")
+    assert np.frombuffer(expected, np.uint32).max() > 65535
+    ids = [tokenizer.encode(doc) for doc in documents]
+    bin_path = write_megatron(tmp_path / "big", ids, np.int32, append_eod=tokenizer.eos_id, sequences_per_document=2)
+    assert _pack(bin_path, tokenizer, tmp_path / "c") == expected
