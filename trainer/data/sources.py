@@ -126,8 +126,9 @@ def _check_dataset_folder(root: Path, source: str) -> bool:
     layout = hf_dataset_layout(root)
     if layout == "dataset_dict":
         splits = sorted(p.name for p in root.iterdir() if hf_dataset_layout(p) == "dataset")
-        raise ConfigError(f"data.source={source} is a Hugging Face DatasetDict (splits: {', '.join(splits) or 'none'}); "
-                          f"name one split's folder, e.g. data.source={root / (splits[0] if splits else 'train')}")
+        raise ConfigError(f"data.source={source} is a Hugging Face DatasetDict (splits: "
+                          f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
+                          f"data.source={root / (splits[0] if splits else 'train')}")
     return layout == "dataset"
 
 
