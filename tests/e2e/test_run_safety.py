@@ -268,7 +268,8 @@ def test_a_damaged_newest_checkpoint_says_how_to_use_the_previous_one(tmp_path, 
 
 
 @pytest.mark.parametrize("content, name, fragment", [
-    (os.urandom(50_000), "random.bin", "is not a .txt/.jsonl/.jsonl.gz/.jsonl.zst/.md/.py file"),
+    (os.urandom(50_000), "random.bin", "has no random.idx beside it"),
+    (os.urandom(50_000), "random.dat", "is not one of the sources this trainer reads (.txt/.jsonl/.jsonl.gz/.jsonl.zst"),
     (b"\xff\xfe" + os.urandom(50_000), "random.txt", "is not UTF-8 text"),
     (b"", "empty.txt", "holds no text"),
     (b"x" * 70_000, "one_line.txt", "no line shorter than 65536 bytes"),

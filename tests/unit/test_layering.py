@@ -10,8 +10,8 @@ import pytest
 from tests import REPO
 
 # trainer/data's modules in the order data flows; each may import only those before it.
-DATA_ORDER = ("temp_dirs", "heartbeat", "compression", "sources", "records", "tokenizer_spm", "tokenizer_hf", "tokenizer_tiktoken", "tokenizer",
-              "shards", "cache", "prepare", "shuffle", "blend", "sampler", "loader", "build")
+DATA_ORDER = ("temp_dirs", "heartbeat", "compression", "megatron_indexed", "tables", "sources", "records", "tokenizer_spm",
+              "tokenizer_hf", "tokenizer_tiktoken", "tokenizer", "encode_pool", "progress", "shards", "cache", "prepare", "shuffle", "blend", "sampler", "loader", "build")
 # What trainer/data may use of the rest of the trainer: the config it is given and the output names.
 DATA_MAY_IMPORT = ("trainer.data", "trainer.config", "trainer.outputs")
 MAX_LINES = 400

@@ -48,6 +48,7 @@ class DataConfig:
     bad_records: str = "error"
     max_bad_fraction: float = 0.001
     weights: list[float] | None = None  # one per source; null: proportional to each source's tokens
+    prepare_workers: int | None = None  # processes that tokenize; None: every usable core
 
     @property
     def sources(self) -> list[str | None]:

@@ -79,7 +79,7 @@ def prepare_sources(cfg: TrainConfig, rank: int, log: Callable[[str], None], res
         tokenizer, tokens = prepare_dataset(
             source, path, cfg.model.vocab_size, Path(cfg.data.cache_dir).expanduser(), is_main_rank=rank == 0,
             log=log, timeout_s=cfg.data.prepare_timeout_s, agree=agree, tokenizer_key=key, tokenizer_origin=origin,
-            padding=vocab_padding(cfg),
+            padding=vocab_padding(cfg), workers=cfg.data.prepare_workers,
             fmt=RecordFormat(cfg.data.text_key, cfg.data.bad_records, cfg.data.max_bad_fraction),
         )
         parts.append(tokens)

@@ -15,7 +15,7 @@ from trainer.data.cache import CachePaths, cache_key, marking_errors, wait_for_m
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.records import RecordFormat, check_skipped
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
-from trainer.data.sources import SOURCE_CHANGED, SOURCE_SUFFIXES, list_source, sources_fingerprint
+from trainer.data.sources import KINDS, SOURCE_CHANGED, list_source, source_kind, sources_fingerprint
 from trainer.data.tokenizer import Tokenizer, load_given_tokenizer, missing_tokenizer
 from trainer.data.tokenizer_spm import SentencePieceTokenizer, check_trainable_vocab_size, train_tokenizer
 from trainer.outputs import write_problem
@@ -34,6 +34,7 @@ def prepare_dataset(
     tokenizer_origin: str | None = None,
     padding: VocabPadding | None = None,
     fmt: RecordFormat = RecordFormat(),
+    workers: int | None = None,
 ) -> tuple[Tokenizer, PackedTokens]:
     """Returns the tokenizer and packed tokens for `source`, building the cache on the main rank once.
 
@@ -46,11 +47,14 @@ def prepare_dataset(
     `vocab_size` is model.vocab_size: the size of a tokenizer trained here, and at least a given one's
     (`padding`: make_vocab_size_divisible_by's rule, trainer/config/vocab.py). `fmt`: how documents are
     read (data.text_key, data.bad_records, data.max_bad_fraction); every rank checks the bad records the
-    packed tokens skipped against it, cached or not.
+    packed tokens skipped against it, cached or not. `workers`: the processes that tokenize
+    (data.prepare_workers; None: every usable core).
     """
     if tokenizer_path is None:  # said now, not after the source is read
         check_trainable_vocab_size(vocab_size)
     files, left_out, links = list_source(source)
+    if tokenizer_path is None:
+        _check_tokenized_sources(files)
     given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding, tokenizer_origin)
     sources = sources_fingerprint(files)
     key = cache_key(sources, vocab_size, given, fmt.text_key)
@@ -66,14 +70,14 @@ def prepare_dataset(
         # Before anything slow: a marker left by an earlier failed run must not stop waiting ranks.
         paths.error.unlink(missing_ok=True)
         if left_out:
-            log(f"data: left out {len(left_out)} file(s) under data.source={source} that are not "
-                f"{'/'.join(SOURCE_SUFFIXES)}, e.g. {left_out[0]}")
+            log(f"data: left out {len(left_out)} file(s) under data.source={source} that are none of {KINDS}, "
+                f"e.g. {left_out[0]}")
         if links:
             link, kept = next(iter(links.items()))
             log(f"data: read {len(links)} file(s) under data.source={source} once though linked under several names, "
                 f"e.g. {link} (read as {kept})")
         with Heartbeat(paths.progress, timeout_s), marking_errors(paths.error):
-            _build(files, sources, vocab_size, given, paths, log, fmt)
+            _build(files, sources, vocab_size, given, paths, log, fmt, workers or usable_cores())
     else:
         wait_for_main_rank(paths, given is not None, timeout_s)
     tokenizer = given or trained_tokenizer(paths.tokenizer)
@@ -96,6 +100,7 @@ def _build(
     paths: CachePaths,
     log: Callable[[str], None],
     fmt: RecordFormat,
+    workers: int,
 ) -> None:
     log(f"data: preparing {len(files)} files into {paths.tokens}")
     remove_killed_writes(paths.tokens, log)  # first: a killed write can be as large as the tokens
@@ -112,7 +117,7 @@ def _build(
         tokenizer = trained_tokenizer(paths.tokenizer)
     start = time.monotonic()
     write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources,
-                        fmt=fmt)
+                        fmt=fmt, workers=workers)
     log(f"data: tokenized in {time.monotonic() - start:.1f} s")
 
 
@@ -126,6 +131,14 @@ def trained_tokenizer(path: Path) -> SentencePieceTokenizer:
         raise ConfigError(missing_tokenizer(path, origin, "while the data was prepared") + "; run again to train it "
                           "anew") from e
     return SentencePieceTokenizer(path, data, f"the tokenizer {path}, {origin},")
+
+
+def _check_tokenized_sources(files: list[Path]) -> None:
+    """Said on every rank before anything slow: token ids are only meaningful with the tokenizer that made them."""
+    tokenized = next((path for path in files if source_kind(path) == "megatron"), None)
+    if tokenized is not None:
+        raise ConfigError(f"data.source {tokenized} is a Megatron indexed dataset, already tokenized: set "
+                          "data.tokenizer to the tokenizer that wrote it (data.tokenizer=null trains one on text)")
 
 
 def usable_cores() -> int:

@@ -1,6 +1,8 @@
-"""The documents in one source file: a `.jsonl` line's `data.text_key` field (compressed or not), or a
-whole other file. A line that holds no document is a bad record: by default (data.bad_records=error) one
-line naming file:line; with `skip` it is counted and skipped, and the count is checked once packed."""
+"""The documents in one source: a `.jsonl` line's `data.text_key` field (compressed or not), a Parquet or
+Hugging Face dataset row's `data.text_key` column, a Megatron indexed dataset's documents (token ids, not
+text), or a whole other file. A line or row that holds no document is a bad record: by default
+(data.bad_records=error) one line naming file:line or file row N; with `skip` it is counted and skipped,
+and the count is checked once packed."""
 
 import io
 import json
@@ -8,9 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from parallel.errors import ConfigError
 from trainer.data.compression import CORRUPT_ERRORS, compression_of, open_decompressed
-from trainer.data.sources import is_json_lines, not_text_reason
+from trainer.data.megatron_indexed import IndexedDataset
+from trainer.data.sources import is_json_lines, not_text_reason, source_kind
+from trainer.data.tables import dataset_rows, parquet_rows
 
 _SHOWN_BAD_RECORDS = 3  # locations kept in meta.json and logged: enough to find the pattern
 _SHOWN_KEYS = 10
@@ -45,13 +51,40 @@ class RecordCount:
 
 
 def iter_documents(path: Path, fmt: RecordFormat = RecordFormat(), count: RecordCount | None = None) -> Iterator[str]:
-    """Yields the documents of one file: each line's text for JSON lines, else the whole file, as written
-    (line endings kept: CRLF stays CRLF). A document with no text (an empty file or text) is none.
-    `count` (when given) tallies the records read and those skipped."""
+    """The text documents of one source (iter_records); a Megatron dataset, already tokenized, has none."""
+    if source_kind(path) == "megatron":
+        raise ConfigError(f"data.source {path} is a Megatron indexed dataset: already tokenized, it has no text "
+                          "to train a tokenizer on; set data.tokenizer to the tokenizer that wrote it")
+    yield from iter_records(path, fmt, count)
+
+
+def iter_records(path: Path, fmt: RecordFormat = RecordFormat(),
+                 count: RecordCount | None = None) -> Iterator[str | np.ndarray]:
+    """Yields the documents of one source: each line's or row's text for JSON lines and tables, each
+    document's token ids for a Megatron dataset, else the whole file, as written (line endings kept: CRLF
+    stays CRLF). A document with no text or tokens is none. `count` (when given) tallies the records read
+    and those skipped."""
+    count = count if count is not None else RecordCount()
+    kind = source_kind(path)
+    if kind == "megatron":
+        for ids in IndexedDataset(path).documents():
+            count.records += 1
+            if len(ids):
+                yield ids
+        return
+    if kind in ("parquet", "hf_dataset"):
+        rows = parquet_rows(path, fmt.text_key) if kind == "parquet" else dataset_rows(path, fmt.text_key)
+        for row, value in rows:
+            if text := _row_text(value, f"data.source={path} row {row}", fmt, count):
+                yield text
+        return
+    yield from _text_documents(path, fmt, count)
+
+
+def _text_documents(path: Path, fmt: RecordFormat, count: RecordCount) -> Iterator[str]:
     reason = not_text_reason(path)
     if reason is not None:
         raise ConfigError(f"data.source file {path} {reason}")
-    count = count if count is not None else RecordCount()
     json_lines = is_json_lines(path)
     try:
         with io.TextIOWrapper(open_decompressed(path), encoding="utf-8", errors="replace",
@@ -66,6 +99,17 @@ def iter_documents(path: Path, fmt: RecordFormat = RecordFormat(), count: Record
                     yield text
     except CORRUPT_ERRORS as exc:
         raise ConfigError(f"data.source file {path} is not a readable {compression_of(path)} file ({exc})") from exc
+
+
+def _row_text(value: str | None, where: str, fmt: RecordFormat, count: RecordCount) -> str:
+    """A table row's text; "" for a null row skipped (its column is a string column: only nulls are bad)."""
+    count.records += 1
+    if value is not None:
+        return value
+    if fmt.bad_records == "error":
+        raise BadRecord(f'{where}: its "{fmt.text_key}" is null')
+    count.skip(f'{where}: its "{fmt.text_key}" is null')
+    return ""
 
 
 def _record_text(line: str, where: str, fmt: RecordFormat, count: RecordCount) -> str:

@@ -12,25 +12,26 @@ import hashlib
 import json
 import os
 import shutil
-import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
 from parallel.errors import ConfigError
-from trainer.data.records import RecordCount, RecordFormat, iter_documents
-from trainer.data.sources import SOURCE_CHANGED, sources_fingerprint
+from trainer.data.encode_pool import Document, InlineEncoder, PoolEncoder
+from trainer.data.progress import Progress
+from trainer.data.records import RecordCount, RecordFormat, iter_records
+from trainer.data.sources import SOURCE_CHANGED, sources_fingerprint, stored_size
 from trainer.data.temp_dirs import WRITER_FILE, make_writer_temp_dir, remove_stale_temp_dirs
 from trainer.data.tokenizer import Tokenizer
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
-# Characters per sentencepiece batch call: big enough to amortize the call, small enough for RAM.
+# Characters (or token ids) per batch encoded at once: big enough to amortize the call and the trip to a
+# worker, small enough for RAM with two batches a worker in flight.
 BATCH_CHARS = 4 << 20
-PROGRESS_STEP = 0.05
-PROGRESS_MIN_INTERVAL_S = 1.0
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -42,75 +43,80 @@ def is_complete(out_dir: Path) -> bool:
     return (Path(out_dir) / META_FILE).is_file()
 
 
-class _Progress:
-    """Throttled progress lines: at most one per PROGRESS_STEP of the input and per second."""
-
-    def __init__(self, total_files: int, total_bytes: int, report: Callable[[str], None]) -> None:
-        self.total_files, self.total_bytes, self._report = total_files, max(total_bytes, 1), report
-        self.files = self.bytes = self.tokens = 0
-        self._start = self._last_time = time.monotonic()
-        self._next_fraction = PROGRESS_STEP
-
-    def update(self, files: int, text_bytes: int, tokens: int) -> None:
-        self.files += files
-        self.bytes += text_bytes
-        self.tokens += tokens
-        fraction = self.bytes / self.total_bytes
-        now = time.monotonic()
-        if fraction >= self._next_fraction and now - self._last_time >= PROGRESS_MIN_INTERVAL_S:
-            self._next_fraction = fraction + PROGRESS_STEP
-            self._last_time = now
-            self._emit(min(fraction, 0.99))
-
-    def finish(self) -> None:
-        self._emit(1.0)
-
-    def _emit(self, fraction: float) -> None:
-        elapsed = max(time.monotonic() - self._start, 1e-9)
-        self._report(
-            f"data: tokenized {self.files}/{self.total_files} files ({fraction:.0%}), "
-            f"{self.tokens / 1e6:.2f}M tokens, {self.bytes / 1e6 / elapsed:.1f} MB/s"
-        )
-
-
 class _Packer:
-    """Batches documents, encodes them together and appends `bos ids eos` to the open file."""
+    """Batches documents, has them encoded (in this process or by workers) and appends each batch's
+    `bos ids eos` runs to the open file in the order the documents came."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, out: BinaryIO, dtype: np.dtype, progress: _Progress, num_threads: int
-    ) -> None:
-        self._tokenizer, self._out, self._dtype = tokenizer, out, dtype
-        self._progress, self._num_threads = progress, num_threads
-        self._pending: list[str] = []
-        self._pending_chars = self._pending_files = 0
+    def __init__(self, tokenizer: Tokenizer, out: BinaryIO, dtype: np.dtype, progress: Progress,
+                 encoder: InlineEncoder | PoolEncoder, batch_chars: int) -> None:
+        self._tokenizer, self._out, self._dtype, self._progress = tokenizer, out, dtype, progress
+        self._encoder, self._batch_chars = encoder, batch_chars
+        self._pending: list[Document] = []
+        self._pending_chars = self._pending_files = self._pending_bytes = 0
+        self._file_start = self._file_size = self._file_bytes = 0  # the current file, in stored bytes
+        self._in_flight: deque = deque()
         self.num_tokens = self.num_documents = 0
         self.digest = hashlib.sha256()  # of every byte written: the whole corpus' hash at no extra read
 
-    def add(self, document: str) -> None:
+    def start_file(self, size: int) -> None:
+        self._file_size, self._file_bytes = size, 0
+
+    def add(self, document: str | np.ndarray, where: Path) -> None:
+        if isinstance(document, np.ndarray):
+            size = document.nbytes
+            document = self._checked_ids(document, where)
+            if not len(document):
+                return
+        else:
+            size = len(document.encode("utf-8"))
         self._pending.append(document)
         self._pending_chars += len(document)
-        if self._pending_chars >= BATCH_CHARS:
-            self.flush()
+        self._pending_bytes += size
+        self._file_bytes += size
+        if self._pending_chars >= self._batch_chars:
+            self._submit()
 
     def end_file(self) -> None:
         self._pending_files += 1
+        self._file_start += self._file_size
+        self._file_size = self._file_bytes = 0
 
-    def flush(self) -> None:
-        ids = self._tokenizer.encode_batch(self._pending, self._num_threads) if self._pending else []
-        bos, eos = self._tokenizer.bos_id, self._tokenizer.eos_id
-        flat: list[int] = []
-        for doc_ids in ids:
-            flat.append(bos)
-            flat.extend(doc_ids)
-            flat.append(eos)
-        packed = np.asarray(flat, dtype=self._dtype).tobytes()
+    def finish(self) -> None:
+        if self._pending or self._pending_files:  # files ended after the last batch still count as done
+            self._submit()
+        while self._in_flight:
+            self._write_next()
+
+    def _checked_ids(self, ids: np.ndarray, where: Path) -> np.ndarray:
+        """A tokenized document's ids, checked against the tokenizer, without the bos and eos packing adds
+        (Megatron's preprocess_data.py --append-eod ends each document with eos): the same run of tokens
+        as its text packs into."""
+        vocab = self._tokenizer.vocab_size
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ConfigError(f"data.source {where} holds token id {bad}, outside data.tokenizer's {vocab} ids: "
+                              "it was tokenized with another tokenizer")
+        start = 1 if ids.size and ids[0] == self._tokenizer.bos_id else 0
+        end = ids.size - 1 if ids.size > start and ids[-1] == self._tokenizer.eos_id else ids.size
+        return ids[start:end]
+
+    def _submit(self) -> None:
+        position = self._file_start + min(self._file_bytes, self._file_size)
+        result = self._encoder.submit(self._pending)
+        self._in_flight.append((result, self._pending_files, position, self._pending_bytes, len(self._pending)))
+        self._pending, self._pending_chars, self._pending_files, self._pending_bytes = [], 0, 0, 0
+        while len(self._in_flight) > 2 * self._encoder.workers:  # inline: written at once
+            self._write_next()
+
+    def _write_next(self) -> None:
+        result, files, position, text_bytes, documents = self._in_flight.popleft()
+        packed = result().tobytes()
         self._out.write(packed)
         self.digest.update(packed)
-        text_bytes = sum(len(doc.encode("utf-8")) for doc in self._pending)
-        self.num_tokens += len(flat)
-        self.num_documents += len(self._pending)
-        self._progress.update(self._pending_files, text_bytes, len(flat))
-        self._pending, self._pending_chars, self._pending_files = [], 0, 0
+        tokens = len(packed) // self._dtype.itemsize
+        self.num_tokens += tokens
+        self.num_documents += documents
+        self._progress.update(files, position, text_bytes, tokens)
 
 
 def write_packed_tokens(
@@ -122,16 +128,21 @@ def write_packed_tokens(
     *,
     sources: str,
     fmt: RecordFormat = RecordFormat(),
+    workers: int = 1,
+    batch_chars: int = BATCH_CHARS,
 ) -> Path:
     """Tokenizes `text_files` into `out_dir` (tokens.bin + meta.json), atomically. `sources` is their
     sources_fingerprint when the caller decided to pack them (the cache key's): files that changed
     since (written to during tokenizer training or packing) are refused rather than published. `fmt`: how
-    documents are read; meta.json records the bad records skipped."""
+    documents are read; meta.json records the bad records skipped. `workers` > 1: encoded in that many
+    worker processes when there is more than one batch of `batch_chars` (the same bytes as one process,
+    which encodes with `num_threads` tokenizer threads)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = make_writer_temp_dir(out_dir.parent, _temp_prefix(out_dir))
     try:
-        meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, num_threads, fmt)
+        meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, fmt,
+                             _Encoding(num_threads, workers, batch_chars))
         if meta["sources_fingerprint"] != sources:
             raise ConfigError(SOURCE_CHANGED)
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -155,24 +166,38 @@ def _temp_prefix(out_dir: Path) -> str:
     return f".{out_dir.name}.tmp"
 
 
-def _write_tokens(
-    text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None], num_threads: int,
-    fmt: RecordFormat,
-) -> dict:
+class _Encoding(NamedTuple):
+    num_threads: int  # the tokenizer's threads, in one process
+    workers: int  # worker processes, each one tokenizer thread
+    batch_chars: int
+
+
+def _write_tokens(text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None],
+                  fmt: RecordFormat, encoding: _Encoding) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
-    progress = _Progress(len(text_files), sum(p.stat().st_size for p in text_files), report)
+    sizes = [stored_size(p) for p in text_files]
+    progress = Progress(len(text_files), sum(sizes), report)
     count = RecordCount()
-    with open(path, "wb") as out:
-        packer = _Packer(tokenizer, out, dtype, progress, num_threads)
-        for file_path in text_files:
-            for document in iter_documents(file_path, fmt, count):
-                packer.add(document)
-            packer.end_file()
-        packer.flush()
-        if packer.num_documents == 0:
-            raise ConfigError("data.source holds no text (empty files, or empty \"text\" fields only)")
-        out.flush()
-        os.fsync(out.fileno())
+    parallel = encoding.workers > 1 and sum(sizes) > encoding.batch_chars  # one batch: no worker to wait for
+    encoder = PoolEncoder(tokenizer, dtype, encoding.workers) if parallel else \
+        InlineEncoder(tokenizer, dtype, encoding.num_threads)
+    if parallel:
+        report(f"data: tokenizing in {encoding.workers} worker processes")
+    try:
+        with open(path, "wb") as out:
+            packer = _Packer(tokenizer, out, dtype, progress, encoder, encoding.batch_chars)
+            for file_path, size in zip(text_files, sizes):
+                packer.start_file(size)
+                for document in iter_records(file_path, fmt, count):
+                    packer.add(document, file_path)
+                packer.end_file()
+            packer.finish()
+            if packer.num_documents == 0:
+                raise ConfigError("data.source holds no text (empty files, or empty \"text\" fields only)")
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        encoder.close()
     progress.finish()
     return {
         "num_tokens": packer.num_tokens,

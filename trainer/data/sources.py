@@ -1,7 +1,11 @@
 """Where the training text comes from: `data.source`'s files (or, by default, the Python standard library's
-own source: real text on every machine, with no download), which of them hold JSON lines, whether each is
-text, and a cheap fingerprint of them all (of the files' bytes as stored, compressed or not). records.py
-reads the documents in them.
+own source: real text on every machine, with no download), which kind each is, and a cheap fingerprint of
+them all (of the bytes as stored, compressed or not). records.py reads the documents in them.
+
+A source's kind comes from its layout and content, not from a key: text (.txt, .md, .py), JSON lines
+(.jsonl, compressed or not), Parquet (.parquet, or any file that is one), a Hugging Face dataset folder
+(what `datasets`' save_to_disk writes) or a Megatron indexed dataset (PREFIX.bin beside PREFIX.idx, named
+by either file or by PREFIX, already tokenized).
 """
 
 import hashlib
@@ -13,9 +17,14 @@ from typing import NamedTuple
 
 from parallel.errors import ConfigError
 from trainer.data.compression import CORRUPT_ERRORS, compression_of, open_decompressed
+from trainer.data.megatron_indexed import index_path, is_indexed_dataset
+from trainer.data.tables import has_parquet_magic, hf_dataset_layout
 
 JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-SOURCE_SUFFIXES = (".txt", *JSON_LINES_SUFFIXES, ".md", ".py")
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+SOURCE_SUFFIXES = (".txt", *JSON_LINES_SUFFIXES, ".md", ".py", ".parquet")
+KINDS = (f"{'/'.join(SOURCE_SUFFIXES)} files, Hugging Face dataset folders (save_to_disk) or Megatron "
+         ".bin/.idx pairs")
 # Test suites are left out of the default corpus: they are huge, repetitive and full of odd encodings.
 EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 
@@ -38,26 +47,99 @@ class SourceFiles(NamedTuple):
 
 
 def list_source(source: str | None) -> SourceFiles:
-    """`data.source`'s files; None or "stdlib": the default corpus."""
+    """`data.source`'s files; None or "stdlib": the default corpus. A Hugging Face dataset folder is one
+    source (the folder); a Megatron pair is its .bin."""
     if source is None or source == "stdlib":
         return SourceFiles(default_corpus_files(), [], {})
     root = Path(source).expanduser()
     if not root.exists():
+        prefix = root.with_name(root.name + ".bin")
+        if prefix.is_file():  # Megatron names a dataset by the prefix its two files share
+            return list_source(str(prefix))
         broken = root.is_symlink()  # exists() follows links: a dangling or looping link reads as absent
         raise ConfigError(f"data.source={source} {'is a link that leads nowhere' if broken else 'does not exist'}")
     if root.is_file():
-        _check_text_file(root, source)
-        return SourceFiles([root], [], {})
+        return SourceFiles([_check_named_file(root, source)], [], {})
     if not root.is_dir():
         raise ConfigError(f"data.source={source} is neither a file nor a folder (a pipe, socket or device)")
-    visible = [path for path in _visible_files_under(root) if path.is_file()]
-    files = [path for path in visible if _is_source_suffix(path)]
+    if _check_dataset_folder(root, source):
+        return SourceFiles([root], [], {})
+    visible = _visible_sources_under(root)
+    files = [path for path in visible if is_source(path)]
     if not files:
-        raise ConfigError(f"data.source={source} contains no {'/'.join(SOURCE_SUFFIXES)} files")
+        raise ConfigError(f"data.source={source} contains no {KINDS}")
+    _check_pairs(visible, files, source)
     by_name = partial(_relative_name, root)
-    left_out = sorted((path for path in visible if not _is_source_suffix(path)), key=by_name)
+    left_out = sorted((path for path in visible if not is_source(path) and not _is_pair_index(path)), key=by_name)
     once, links = _once_each(sorted(files, key=by_name))
     return SourceFiles(once, left_out, links)
+
+
+def source_kind(path: Path) -> str | None:
+    """"text", "jsonl", "parquet", "hf_dataset", "megatron" or None (not a source this trainer reads)."""
+    if path.is_dir():
+        return "hf_dataset" if hf_dataset_layout(path) == "dataset" else None
+    name = path.name.lower()
+    if is_indexed_dataset(path):
+        return "megatron"
+    if name.endswith(JSON_LINES_SUFFIXES):
+        return "jsonl"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    if name.endswith(".parquet") or has_parquet_magic(path):
+        return "parquet"
+    return None
+
+
+def is_source(path: Path) -> bool:
+    """Whether a path found under a folder is read: by its suffix (or layout), not by sniffing every file."""
+    return path.is_dir() or is_indexed_dataset(path) or path.name.lower().endswith(SOURCE_SUFFIXES)
+
+
+def _is_pair_index(path: Path) -> bool:
+    return path.suffix.lower() == ".idx" and is_indexed_dataset(path.with_suffix(".bin"))
+
+
+def _check_named_file(path: Path, source: str) -> Path:
+    """A file named on its own is checked on every rank before anything else; a folder's files are
+    filtered by suffix here and checked as the main rank reads them (records.py). Returns the path read
+    (a Megatron pair is read through its .bin)."""
+    suffix = path.suffix.lower()
+    if suffix == ".idx" and path.with_suffix(".bin").is_file():
+        return path.with_suffix(".bin")
+    if suffix in (".bin", ".idx") and not source_kind(path):
+        other = index_path(path) if suffix == ".bin" else path.with_suffix(".bin")
+        raise ConfigError(f"data.source={source} has no {other.name} beside it: a Megatron indexed dataset is "
+                          f"the pair PREFIX.bin and PREFIX.idx")
+    kind = source_kind(path)
+    if kind is None:
+        raise ConfigError(f"data.source={source} is not one of the sources this trainer reads ({KINDS})")
+    if kind in ("text", "jsonl"):
+        reason = not_text_reason(path)
+        if reason is not None:
+            raise ConfigError(f"data.source={source} {reason}")
+    return path
+
+
+def _check_dataset_folder(root: Path, source: str) -> bool:
+    """Whether `root` is a Hugging Face dataset folder (one source); a DatasetDict's folder is refused."""
+    layout = hf_dataset_layout(root)
+    if layout == "dataset_dict":
+        splits = sorted(p.name for p in root.iterdir() if hf_dataset_layout(p) == "dataset")
+        raise ConfigError(f"data.source={source} is a Hugging Face DatasetDict (splits: "
+                          f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
+                          f"data.source={root / (splits[0] if splits else 'train')}")
+    return layout == "dataset"
+
+
+def _check_pairs(visible: list[Path], files: list[Path], source: str) -> None:
+    """In a folder of Megatron pairs, a .bin without its .idx is a missing half, not a file to leave out."""
+    if not any(is_indexed_dataset(path) for path in files):
+        return
+    lone = next((p for p in visible if p.suffix.lower() == ".bin" and not is_indexed_dataset(p)), None)
+    if lone is not None:
+        raise ConfigError(f"data.source={source}: {lone} has no {index_path(lone).name} beside it: a Megatron "
+                          "indexed dataset is the pair PREFIX.bin and PREFIX.idx")
 
 
 def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
@@ -76,10 +158,6 @@ def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     return once, links
 
 
-def _is_source_suffix(path: Path) -> bool:
-    return path.name.lower().endswith(SOURCE_SUFFIXES)  # NOTES.TXT is text as notes.txt is
-
-
 def is_json_lines(path: Path) -> bool:
     """Whether `path` holds one JSON record a line (compressed or not), rather than one document."""
     return path.name.lower().endswith(JSON_LINES_SUFFIXES)
@@ -89,22 +167,13 @@ def _relative_name(root: Path, path: Path) -> str:
     return str(path.relative_to(root))
 
 
-def _check_text_file(path: Path, source: str) -> None:
-    """A file named on its own is checked on every rank before anything else; a folder's files are
-    filtered by suffix here and checked as the main rank reads them (records.py)."""
-    if not _is_source_suffix(path):
-        raise ConfigError(f"data.source={source} is not a {'/'.join(SOURCE_SUFFIXES)} file")
-    reason = not_text_reason(path)
-    if reason is not None:
-        raise ConfigError(f"data.source={source} {reason}")
-
-
-def _visible_files_under(root: Path) -> list[Path]:
+def _visible_sources_under(root: Path) -> list[Path]:
     """Every file under `root` outside hidden folders (.git, .venv, .cache hold tooling, not training
-    text), following symlinked folders as a corpus assembled from links needs; each real folder is
-    read once, so a link loop ends, under the first of its names in sorted order (the walk visits
-    subfolders sorted, so the names, and the document order, do not depend on the filesystem)."""
-    seen, files = set(), []
+    text), and every Hugging Face dataset folder (one source, not descended into), following symlinked
+    folders as a corpus assembled from links needs; each real folder is read once, so a link loop ends,
+    under the first of its names in sorted order (the walk visits subfolders sorted, so the names, and
+    the document order, do not depend on the filesystem)."""
+    seen, found = set(), []
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen:
@@ -112,8 +181,11 @@ def _visible_files_under(root: Path) -> list[Path]:
             continue
         seen.add(real)
         subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        files.extend(Path(folder) / name for name in names if not name.startswith("."))
-    return files
+        datasets = [name for name in subfolders if hf_dataset_layout(Path(folder) / name) == "dataset"]
+        found.extend(Path(folder) / name for name in datasets)
+        subfolders[:] = [name for name in subfolders if name not in datasets]
+        found.extend(p for name in names if not name.startswith(".") and (p := Path(folder) / name).is_file())
+    return found
 
 
 TEXT_CHECK_BYTES = 1 << 20  # how much of each source file must be UTF-8 text
@@ -148,14 +220,25 @@ SOURCE_CHANGED = ("data.source changed while it was being prepared (a file was w
                   "start again once it is complete")
 
 
-def sources_fingerprint(text_files: list[Path]) -> str:
-    """Cheap fingerprint of the corpus: absolute path, size, mtime and content of every file, whole up
-    to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
+def stored_files(path: Path) -> list[Path]:
+    """The files one source is stored in: a dataset folder's files, a Megatron pair, or the file itself."""
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path, index_path(path)] if is_indexed_dataset(path) else [path]
+
+
+def stored_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in stored_files(path))
+
+
+def sources_fingerprint(sources: list[Path]) -> str:
+    """Cheap fingerprint of the corpus: absolute path, size, mtime and content of every file stored, whole
+    up to 64 KiB, else 16 pages of 4 KiB spread evenly from its first to its last byte. The content catches
     a file replaced by another of the same size with its mtime kept (`cp -p`, `rsync -t`, an archive of
     another version), which size and mtime alone miss; in a larger file, a same-size edit between the
     pages with the mtime kept is not seen (remove its tokens-* and tokenizer-* folders to re-pack)."""
     digest = hashlib.sha256()
-    for path in text_files:
+    for path in (file for source in sources for file in stored_files(source)):
         stat = path.stat()
         digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         with open(path, "rb") as f:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "fsdp_runners", "pp", "ranks", "step", "tp",
-           "tokenizer_throughput", "trainer_step")
+           "prepare_data", "tokenizer_throughput", "trainer_step")
 
 
 @pytest.mark.parametrize("name", BENCHES)

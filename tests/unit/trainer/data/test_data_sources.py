@@ -66,7 +66,8 @@ def test_suffixes_match_in_any_case_and_the_rest_is_named_in_the_log(tmp_path: P
     assert [p.name for p in left_out] == ["model.bin"]
     assert list(iter_documents(root / "x.JSONL")) == ["delta"]  # read as JSON lines, not as text
     logs = _logs_until_building(root, tmp_path, monkeypatch)
-    assert f"data: left out 1 file(s) under data.source={root} that are not .txt/.jsonl/.jsonl.gz/.jsonl.zst/.md/.py, e.g. " \
+    assert f"data: left out 1 file(s) under data.source={root} that are none of .txt/.jsonl/.jsonl.gz/.jsonl.zst/.md/" \
+           f".py/.parquet files, Hugging Face dataset folders (save_to_disk) or Megatron .bin/.idx pairs, e.g. " \
            f"{root / 'model.bin'}" in logs
 
 
