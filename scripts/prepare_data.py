@@ -5,7 +5,8 @@
 The config is composed and checked as train.py does it, and the data is built as a job's rank 0 builds it
 (the same cache key, the same bytes), so a job started afterwards with the same data.* keys finds the
 cache and tokenizes nothing. Tokenizing runs in data.prepare_workers processes (every usable core by
-default); the progress (files, MB, MB/s, ETA) goes to stderr, the cache folder to stdout. A bad override,
+default); the progress (files, MB, MB/s, ETA) goes to stderr, the cache folder to stdout (one per source
+of a blend). A bad override,
 config or source is one `error:` line, exit code 2.
 """
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    print(data.loader.tokens.path, flush=True)
+    for part in data.loader.tokens.parts:
+        print(part.path, flush=True)
     return 0
 
 

@@ -2,11 +2,13 @@
 80% +- 3% of its tokens from the first source (in scripts/inspect_data.py's numbers, and in the test's own
 statement of the greedy rule), the runs on dp=1, dp=2 and pp=2 agree, a resume continues bitwise, the start
 line gives each source's epochs (the small source runs through more than one), and a resume with other
-weights is refused."""
+weights is refused. The caches come from scripts/prepare_data.py, one per source: the runs tokenize nothing."""
 
 import random
 import re
 import shutil
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from scripts.inspect_data import main as inspect_data
+from tests import REPO
 from tests.e2e.launch import error_lines, metrics, train
 
 WEIGHTS = (0.8, 0.2)
@@ -44,10 +47,17 @@ def blend(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("blend")
     first, second = write_sources(root)
     data = (f"data.source=[{first},{second}]", f"data.cache_dir={root / 'cache'}")
+    prepared = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), *RUN, *data],
+                              cwd=root, capture_output=True, text=True, timeout=180)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    caches = prepared.stdout.split()
+    assert len(caches) == 2 and all(Path(cache).parent == root / "cache" for cache in caches)
     runs = {}
     for name, (nproc, overrides) in LAYOUTS.items():
         runs[name] = train(nproc, root / name, *RUN, *data, *overrides)
         assert runs[name].returncode == 0, runs[name].stdout[-3000:] + runs[name].stderr[-5000:]
+        output = runs[name].stdout + runs[name].stderr
+        assert all(f"data: cached {cache}" in output for cache in caches) and "data: preparing" not in output
     return {"root": root, "data": data, "runs": runs}
 
 
