@@ -8,7 +8,8 @@ Three sides per configuration (schedule, M), built from the same weights:
 - "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding plain chunks with
   the same weights, the same loss (scale_grads=False);
 - "ours + units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
-  reshard_after_forward=false, optimize_backward_concat=true), its gradient sync included.
+  the default reshard_after_forward=true, under which each microbatch's forward and backward unshard
+  every unit, and optimize_backward_concat=true), its gradient sync included.
 Each runs one step's pipelined forward + backward (M microbatches of 1 sequence, fp32); the optimizer
 is left out. Step 0's losses and every parameter's gradient are compared across the three sides.
 
@@ -80,7 +81,7 @@ def bench_config(model: str, seq: int, pp: int, schedule: str, m: int) -> TrainC
     per_stage = raw["n_layers"] // (2 * pp) if schedule == "interleaved_1f1b" else None
     return from_dict({"model": raw, "seq_len": seq, "batch_size": m, "pipeline_parallel_size": pp,
                       "pipeline_schedule": schedule, "num_layers_per_virtual_pipeline_stage": per_stage,
-                      "reshard_after_forward": False, "optimize_backward_concat": True})
+                      "reshard_after_forward": True, "optimize_backward_concat": True})
 
 
 def plain_chunks(cfg: TrainConfig, rank: int) -> list[torch.nn.Module]:
