@@ -146,6 +146,9 @@ class ParallelMesh:
             mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timedelta(seconds=self.timeout_s),
                                                         backend=backend)
             comm.register_groups({mine: "pp"})
+            # Every rank makes the communicator here, together: NCCL's lazy creation at the first
+            # send/recv would wait for ranks that reach their first transfer on this channel much later.
+            comm.barrier(mine)
             self._pp_channels.append(mine)
         return [self.group("pp"), *self._pp_channels[:count - 1]]
 
