@@ -16,7 +16,7 @@ soon as it is handed to its send (the autograd node stays for the backward, as M
 deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
 communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held at once in a step.
 
-On NCCL a batch goes out as one call per channel (see channels.py), so that no receive waits for a send.
+A batch goes out as one call per channel (see channels.py), so that on NCCL no receive waits for a send.
 """
 
 import time
