@@ -86,6 +86,7 @@ class ParallelMesh:
         self._checkpoint_group: ProcessGroup | None = None
         self._embedding_group: ProcessGroup | None = None
         self._embedding_groups_made = False
+        self._pp_channels: list[ProcessGroup] = []
         options = partial(group_options, device_type, timeout_s)  # fresh options per group
         self.mesh: DeviceMesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS,
                                                  backend_override={name: options() for name in MESH_DIMS})
@@ -134,6 +135,22 @@ class ParallelMesh:
                 comm.register_groups({mine: "embedding"})
             self._embedding_group, self._embedding_groups_made = mine, True
         return self._embedding_group
+
+    def pipeline_channels(self, count: int) -> list[ProcessGroup]:
+        """`count` communicators over this rank's pipeline ranks, group rank = pipeline rank: the pp group
+        and count - 1 more, each named "pp" in the ledger (what they are for: pipeline/channels.py). Made
+        on first use, which must be the same call on every rank."""
+        while len(self._pp_channels) < count - 1:
+            ranks = self.mesh.mesh.movedim(0, -1).reshape(-1, self.dims.pp).tolist()  # pp varies fastest
+            backend, _ = group_options(self.device_type, self.timeout_s)
+            mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timedelta(seconds=self.timeout_s),
+                                                        backend=backend)
+            comm.register_groups({mine: "pp"})
+            # Every rank makes the communicator here, together: NCCL's lazy creation at the first
+            # send/recv would wait for ranks that reach their first transfer on this channel much later.
+            comm.barrier(mine)
+            self._pp_channels.append(mine)
+        return [self.group("pp"), *self._pp_channels[:count - 1]]
 
     def group(self, name: str) -> ProcessGroup:
         if name in self._flat:

@@ -14,6 +14,7 @@ from parallel.activation_checkpoint import checkpoint_forward
 from parallel.context_parallel import CPContext
 from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
+from parallel.pipeline.channels import channel_count
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.layers import chunk_layers
 from parallel.pipeline.schedule import schedule_actions
@@ -130,4 +131,6 @@ def build_runtime(
     )
     seq = cfg.seq_len // cfg.context_parallel_size // (cfg.model_parallel_size if cfg.model.sequence_parallel else 1)
     shape = (cfg.microbatch_size, seq, cfg.model.dim)
-    return PipelineRuntime(program, cfg.pipeline_parallel_size, chunks, roots, mesh.group("pp"), shape, dtype, device)
+    pp, vpp = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
+    return PipelineRuntime(program, pp, chunks, roots, mesh.group("pp"), shape, dtype, device,
+                           mesh.pipeline_channels(channel_count(pp, vpp)))

@@ -8,6 +8,7 @@ owns elements [r * shard_size, (r + 1) * shard_size) of the padded flat tensor; 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,15 @@ def allocate_storage(t: torch.Tensor) -> None:
 def unflatten(flat: torch.Tensor, spec: FlatParamSpec) -> dict[str, torch.Tensor]:
     """Name -> tensor (copies) of a full flat tensor: for export and tests."""
     return {name: view.clone() for name, view in zip(spec.names, split_views(flat, spec))}
+
+
+def trainable_owners(name: str, module: nn.Module, spec: FlatParamSpec) -> list[tuple[nn.Module, str]]:
+    """(owning submodule, attribute) of each parameter the unit flattens; every one must train."""
+    if not spec.names:
+        raise ValueError(f"FSDP unit {name} has no parameters (nothing to shard): leave it out of the units")
+    owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in spec.names]
+    frozen = [n for n, (sub, attr) in zip(spec.names, owners) if not getattr(sub, attr).requires_grad]
+    if frozen:
+        raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
+                         f"parameter trains every element it holds (the frozen one would be trained)")
+    return owners

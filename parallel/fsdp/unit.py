@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm, weight_grads
 from parallel.fsdp.flat_param import (
-    FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views,
+    FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views, trainable_owners,
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
 from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
@@ -104,7 +104,7 @@ class FSDPUnit:
         first, min_numel = (tied.param.removeprefix(f"{name}."), tied.unit_numel) if tied else (None, 0)
         self.spec = FlatParamSpec.of_module(module, shard_group.size(), first, min_numel)
         self.param_offsets = self.spec.offsets()
-        owners = _trainable_owners(name, module, self.spec)
+        owners = trainable_owners(name, module, self.spec)
         params = [getattr(sub, attr) for sub, attr in owners]
         # How each parameter is split over TP (checkpoints map shards to full parameters with it), and
         # the flat slices of those that are not split (norm weights).
@@ -128,11 +128,16 @@ class FSDPUnit:
         self._show_placeholders()
         self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
-        self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
-        free_storage(self._buffer)
+        fp8_params = fp8_params_of(self.spec, owners)
+        # One rank computing in fp32: the unsharded parameter is the shard (no copy, no second weights).
+        self.aliases_shard = self.spec.world == 1 and cfg.compute_dtype == torch.float32 and not cfg.fp8_all_gather
+        if self.aliases_shard:
+            self._buffer = self.flat_param.detach()
+        else:
+            self._buffer = torch.empty(self.spec.padded, dtype=cfg.compute_dtype, device=device)
+            free_storage(self._buffer)
         self._full = torch.empty(0, dtype=cfg.compute_dtype, device=device).requires_grad_()
         self._full.data = self._buffer  # shares storage, not the version counter: re-gathers stay legal
-        fp8_params = fp8_params_of(self.spec, owners)
         self._fp8_weight_pieces = shard_pieces(fp8_params, self.rank, self.spec.shard_size)
         self._fp8 = Fp8Gather(self.spec, self.rank, shard_group, cfg.compute_dtype, fp8_params, name, device) \
             if fp8_params and cfg.fp8_all_gather else None
@@ -190,16 +195,20 @@ class FSDPUnit:
         if self.state is not UnitState.SHARDED:
             return
         self._gathered_version = self.flat_param._version
+        if not self.aliases_shard:  # otherwise the buffer is the shard: nothing to gather
+            self._gather = self._start_gather()
+        self.state = UnitState.GATHERING
+
+    def _start_gather(self) -> list[tuple[comm.Pending, torch.Tensor]]:
         allocate_storage(self._buffer)
         if self._fp8 is not None:
-            self._gather = self._fp8.start(self.flat_param.detach())
-        elif self.spec.world == 1:
+            return self._fp8.start(self.flat_param.detach())
+        if self.spec.world == 1:
             self._buffer.copy_(self.flat_param.detach())
-        else:
-            shard = self.flat_param.detach().to(self.cfg.compute_dtype)
-            work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True, label=self.name)
-            self._gather = [(work, shard)]
-        self.state = UnitState.GATHERING
+            return []
+        shard = self.flat_param.detach().to(self.cfg.compute_dtype)
+        work = comm.all_gather_into_tensor(self._buffer, shard, self.shard_group, async_op=True, label=self.name)
+        return [(work, shard)]
 
     def wait_unshard(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -218,7 +227,8 @@ class FSDPUnit:
     def reshard(self) -> None:
         self.wait_unshard()
         if self.state is UnitState.UNSHARDED:
-            free_storage(self._buffer)
+            if not self.aliases_shard:
+                free_storage(self._buffer)
             if self._fp8 is not None:
                 self._fp8.free()
             self.state = UnitState.SHARDED
@@ -227,7 +237,8 @@ class FSDPUnit:
     # --- memory accounting -------------------------------------------------------------------
     def _parameter_tensors(self) -> list[torch.Tensor]:
         """What holds this unit's parameters: the shard, the unsharded buffer, the fp8 gather."""
-        return [self.flat_param, self._buffer] + ([self._fp8.bytes] if self._fp8 is not None else [])
+        held = [self.flat_param] if self.aliases_shard else [self.flat_param, self._buffer]
+        return held + ([self._fp8.bytes] if self._fp8 is not None else [])
 
     def parameter_storages(self) -> list[int]:
         """The storages that hold this unit's parameters (shard, unsharded buffer, fp8 gather)."""
@@ -310,18 +321,6 @@ class FSDPUnit:
         for view in self._main_grad_views:
             del view.main_grad
         self._main_grad_views = []
-
-
-def _trainable_owners(name: str, module: nn.Module, spec: FlatParamSpec) -> list[tuple[nn.Module, str]]:
-    """(owning submodule, attribute) of each parameter the unit flattens; every one must train."""
-    if not spec.names:
-        raise ValueError(f"FSDP unit {name} has no parameters (nothing to shard): leave it out of the units")
-    owners = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in spec.names]
-    frozen = [n for n, (sub, attr) in zip(spec.names, owners) if not getattr(sub, attr).requires_grad]
-    if frozen:
-        raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
-                         f"parameter trains every element it holds (the frozen one would be trained)")
-    return owners
 
 
 def _main_grad_params(name: str, params: list[nn.Parameter], spec: FlatParamSpec, cfg: FSDPConfig) -> list[int]:

@@ -21,6 +21,8 @@ What a rank holds for p2p does not grow with the microbatch count: a stage outpu
 soon as it is handed to its send (the autograd node stays for the backward, as Megatron's
 deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
 communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held at once in a step.
+
+A batch goes out as one call per channel (see channels.py), so that on NCCL no receive waits for a send.
 """
 
 import time
@@ -35,6 +37,7 @@ from torch.profiler import record_function
 
 from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
+from parallel.pipeline.channels import split_batch
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, forward_only, stage_of, transfer_key,
 )
@@ -53,9 +56,13 @@ class PipelineRuntime:
     def __init__(
         self, program: list[Action], pp: int, chunks: list[nn.Module], roots: list[FSDPRoot],
         group: ProcessGroup | None, activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+        channels: list[ProcessGroup] | None = None,
     ):
-        """`chunks[c]` is local chunk c (stage c * pp + rank) and `roots[c]` its FSDP root."""
+        """`chunks[c]` is local chunk c (stage c * pp + rank) and `roots[c]` its FSDP root. `channels`: the
+        communicators over the pipeline ranks that transfers are spread over (channel_count of them);
+        None: every transfer on `group`."""
         self.pp, self.chunks, self.roots, self.group = pp, chunks, roots, group
+        self.channels = channels or [group]
         self.rank = program[0].rank
         self.num_stages = pp * len(chunks)
         self.steps = batched(program)
@@ -80,7 +87,7 @@ class PipelineRuntime:
         self._weight_work: dict[tuple[int, int], list[weight_grads.Work]] = {}  # (chunk, mb) -> B's deferred work
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
-        self._sending: list[tuple[Work, torch.Tensor]] = []  # posted sends, waited at the next batch
+        self._sending: list[tuple[Work, torch.Tensor, ProcessGroup]] = []  # posted sends, waited at the next batch
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
         # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
         self.trace: list[tuple[Action, float, float]] | None = None
@@ -191,7 +198,7 @@ class PipelineRuntime:
     def _count_held(self) -> None:
         """Outgoing tensors held: waiting for their SEND, or posted and not yet waited. Only a new
         outgoing tensor raises the count, so it is taken there."""
-        held = list(self._outbox.values()) + [t for _, t in self._sending]
+        held = list(self._outbox.values()) + [t for _, t, _ in self._sending]
         self.peak_p2p_tensors = max(self.peak_p2p_tensors, len(held))
         self.peak_p2p_bytes = max(self.peak_p2p_bytes, sum(t.numel() * t.element_size() for t in held))
 
@@ -199,8 +206,8 @@ class PipelineRuntime:
         """Wait the posted sends and drop their tensors. Waited at the next batch (slot t), they cannot
         deadlock: their receives sit in the peers' batches of earlier slots, which every rank reaches
         without waiting for slot t (see schedule.py)."""
-        for work, _ in self._sending:
-            comm.wait(work, "send", self.group)
+        for work, _, group in self._sending:
+            comm.wait(work, "send", group)
         self._sending.clear()
 
     def _exchange(self, batch: list[Action]) -> None:
@@ -208,18 +215,24 @@ class PipelineRuntime:
         wait can be deferred (to the next batch) and the rank computes on meanwhile (as
         torch.distributed.pipelining does); the posting order, which is what must match, is unchanged."""
         self._wait_sends()
-        ops, received = [], {}
-        for a in batch:
-            key = transfer_key(a, self.pp, self.num_stages)
-            if a.op in (RECV_F, RECV_B):
-                tensor = received[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                ops.append((False, tensor, a.peer))
-            else:
-                ops.append((True, self._outbox.pop(key), a.peer))
-        label = " ".join(str(a) for a in batch)  # e.g. "r1 SEND_F c0 m3 -> r2 r1 RECV_B c0 m2 <- r2"
-        for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, self.group, label)):
-            if is_send:
-                self._sending.append((work, tensor))  # the tensor must outlive the send
-            else:
-                comm.wait(work, "recv", self.group, label)
+        received, receiving = {}, []
+        for channel, actions in split_batch(batch, self.pp, len(self.chunks), len(self.channels)):
+            group, ops = self.channels[channel], []
+            for a in actions:
+                key = transfer_key(a, self.pp, self.num_stages)
+                if a.op in (RECV_F, RECV_B):
+                    tensor = received[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    ops.append((False, tensor, a.peer))
+                else:
+                    ops.append((True, self._outbox.pop(key), a.peer))
+            label = " ".join(str(a) for a in actions)  # e.g. "r1 SEND_F c0 m3 -> r2"
+            for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, group, label)):
+                if is_send:
+                    self._sending.append((work, tensor, group))  # the tensor must outlive the send
+                else:
+                    receiving.append((work, group, label))
+        # Every call is posted before any receive is waited: on NCCL a later call would otherwise queue
+        # behind the wait (its stream waits for the compute stream's work at posting).
+        for work, group, label in receiving:
+            comm.wait(work, "recv", group, label)
         self._inbox.update(received)

@@ -19,9 +19,10 @@ Building a schedule has two parts:
    batch that waits on it: no deadlock by construction, with NCCL's blocking semantics (a send waits
    for its receive) as much as with gloo's. A deadlocking compute order is caught while placing.
 
-Consecutive SEND/RECV actions form one batch (`batch_isend_irecv`); inside a batch, even ranks list
-sends first and odd ranks receives first (Megatron's pairing by parity for unbatched p2p). Batched, the
-order is not what makes progress: with an odd pp and several chunks, ranks pp-1 and 0 are both even.
+Consecutive SEND/RECV actions form one batch (posted as one `batch_isend_irecv` per channel, see
+channels.py); inside a batch, even ranks list sends first and odd ranks receives first (Megatron's
+pairing by parity for unbatched p2p). Batched, the order is not what makes progress: with an odd pp
+and several chunks, ranks pp-1 and 0 are both even.
 """
 
 from dataclasses import dataclass
@@ -117,19 +118,26 @@ def _interleaved_order(pp: int, vpp: int, microbatches: int, rank: int, group: i
 def interleaved_group(pp: int, vpp: int, microbatches: int) -> int:
     """The microbatch group size of the interleaved order, searched over pp..M (M when M < pp).
 
-    The valid size whose order finishes first at unit costs wins; ties go to the smaller size, which
-    holds fewer activations (the peak grows with the size). Sizes whose peak exceeds
-    1F1B's (min(pp, M) microbatches) by more than vpp microbatches are skipped, unless none within that
-    bound schedules: then the smallest size that schedules. As the peak grows with the size, the bound
-    also bounds the search to a few list schedules (one group of all M, which always schedules, ends
-    the fallback)."""
+    The valid size whose order finishes first at unit costs wins (with the runtime's transfers, the
+    simulator's makespan is the same); ties go to the smaller size, which holds fewer activations (the
+    peak grows with the size). Sizes whose peak exceeds interleaved_peak_bound are skipped, unless none
+    within it schedules: then the smallest size that schedules. As the peak grows with the size, the
+    bound also bounds the search to a few list schedules (one group of all M, which always schedules,
+    ends the fallback)."""
     sizes = range(min(pp, microbatches), microbatches + 1)
-    limit = (min(pp, microbatches) + vpp) * vpp  # in chunk activations: a chunk holds 1/vpp of a stage
+    limit = interleaved_peak_bound(pp, vpp, microbatches)
     within = [g for g in sizes if interleaved_peak(pp, vpp, microbatches, g) <= limit]
     makespans = {g: span for g in within if (span := _interleaved_makespan(pp, vpp, microbatches, g)) is not None}
     if makespans:
         return min(makespans, key=lambda g: (makespans[g], g))
     return next(g for g in sizes[len(within):] if _interleaved_makespan(pp, vpp, microbatches, g) is not None)
+
+
+def interleaved_peak_bound(pp: int, vpp: int, microbatches: int) -> int:
+    """The most chunk activations a group may hold on rank 0: 1F1B's min(pp, M) microbatches plus vpp
+    (a chunk holds 1/vpp of a stage), or what Megatron's own group of pp holds where that is more (at
+    vpp=2 from pp=6 its warm-up alone exceeds the first)."""
+    return max((min(pp, microbatches) + vpp) * vpp, interleaved_peak(pp, vpp, microbatches, min(pp, microbatches)))
 
 
 def interleaved_peak(pp: int, vpp: int, microbatches: int, group: int) -> int:

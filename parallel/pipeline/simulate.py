@@ -6,10 +6,12 @@ operation's counterpart has been posted by its peer (plus the p2p cost). By defa
 that (`sends_block=True`): a send waits for its receive, the strictest semantics, so a program that
 completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does: it
 waits for a batch's receives only, and for its sends at its next batch, before posting that one. On
-`backend="nccl"` a batch is one work, so waiting its receives waits its sends too; on "gloo" each
-operation is its own work. A cost function prices a backward's two halves apart, B (the input
-gradient) and W (the weight gradients); a program without W actions runs both halves in its B. The
-simulation also checks that every compute finds its input already
+`backend="nccl"` the runtime posts a batch as one call per channel (channels.py) and each call is one
+work, so waiting a receive waits the rest of its call; on "gloo" each operation is its own work. (NCCL
+also runs a communicator's works in order on one stream; as the runtime waits every work of a batch
+before posting the next, a work always finds its stream free.) A cost function prices a backward's two
+halves apart, B (the input gradient) and W (the weight gradients); a program without W actions runs both
+halves in its B. The simulation also checks that every compute finds its input already
 there and every send is received, so it validates the schedule it times.
 """
 
@@ -17,6 +19,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, stage_of, transfer_key, upstream,
 )
@@ -85,8 +88,8 @@ class _Simulation:
                  backend: str):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={backend} is not one of: nccl | gloo")
-        self.pp, self.num_stages, self.cost, self.sends_block = pp, pp * vpp, cost, sends_block
-        self.batch_is_one_work = backend == "nccl"
+        self.pp, self.vpp, self.num_stages, self.cost, self.sends_block = pp, vpp, pp * vpp, cost, sends_block
+        self.channels = channel_count(pp, vpp) if backend == "nccl" else None
         self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
         self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
         self.steps = [batched(list(p)) for p in programs]
@@ -153,17 +156,21 @@ class _Simulation:
             self.unwaited[rank] = []
         for op, _ in ops:
             self.posted.setdefault(op, self.clock[rank])
-        receives = any(not is_send for (_, is_send), _ in ops)
-        if self.sends_block or (receives and self.batch_is_one_work):
-            waited = ops
-        else:
-            waited = [op for op in ops if not op[0][1]]
+        waited = ops if self.sends_block else self._waited_with_receives(batch, ops)
         if not self._wait(rank, waited):
             return False
         if not self.sends_block:
             self.unwaited[rank] = [op for op in ops if op not in waited]
         self.available[rank].update(k for (k, is_send), _ in ops if not is_send)
         return True
+
+    def _waited_with_receives(self, batch: list[Action], ops: list[tuple]) -> list[tuple]:
+        """What waiting a batch's receives waits: the receives (gloo), or every call holding one (NCCL)."""
+        if self.channels is None:
+            return [op for op in ops if not op[0][1]]
+        receiving = {a for _, call in split_batch(batch, self.pp, self.vpp, self.channels)
+                     if any(a.op.startswith("RECV") for a in call) for a in call}
+        return [op for op in ops if op[1] in receiving]
 
     def _wait(self, rank: int, ops: list[tuple]) -> bool:
         """Whether every op's counterpart is posted; if so the rank's clock moves to their completion."""

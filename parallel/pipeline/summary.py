@@ -1,6 +1,8 @@
 """The schedule a run will use, in one line for its log: what the simulator says of it."""
 
-from parallel.pipeline.schedule import effective_schedule, interleaved_group, pipeline_actions
+from parallel.pipeline.schedule import (
+    effective_schedule, interleaved_group, interleaved_peak, interleaved_peak_bound, pipeline_actions,
+)
 from parallel.pipeline.simulate import simulate
 
 
@@ -11,7 +13,10 @@ def schedule_summary(schedule: str, pp: int, vpp: int, microbatches: int) -> str
     timeline = simulate(pipeline_actions(schedule, pp, vpp, microbatches), pp, vpp, sends_block=False)
     text = f"pipeline schedule {schedule}: pp={pp} vpp={vpp} microbatches={microbatches}"
     if schedule == "interleaved_1f1b":
-        text += f" group={interleaved_group(pp, vpp, microbatches)}"
+        group = interleaved_group(pp, vpp, microbatches)
+        text += f" group={group}"
+        if interleaved_peak(pp, vpp, microbatches, group) > interleaved_peak_bound(pp, vpp, microbatches):
+            text += " (the smallest that schedules; it holds more than the memory bound)"
     text += (f", simulated bubble {timeline.bubble_fraction:.1%}, "
              f"peak {max(timeline.peak_microbatches):.3g} microbatches held")
     if schedule != "1f1b":

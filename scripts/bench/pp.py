@@ -1,21 +1,26 @@
-"""Our pipeline runtime against torch.distributed.pipelining over the same stage modules, plus the
-measured bubble beside the simulated one. CPU gloo, world = pp ranks (dp = 1: neither side shards).
+"""Our pipeline runtime against torch.distributed.pipelining, runtime against runtime on the same plain
+modules, plus what our FSDP units cost with nothing to shard, the measured bubble beside the simulated
+one, and the p2p bytes a rank holds. CPU gloo, pp = 2 ranks of one thread each (one core per rank).
 
-Ours: the trainer's own step path (StepRunner.build; the runtime's batched p2p, FSDP units with a shard
-group of one, reshard_after_forward=false: with nothing sharded, re-gathering is only copying;
-optimize_backward_concat=true, as the runtime marks microbatches; torch marks none, so over the same
-chunks each microbatch's backward concatenates and adds its flat gradient). Torch: `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding the
-same chunks (same layers, same weights, plain modules). Both run the pipelined forward + backward of
-one step (M microbatches of 1 sequence, fp32, 1 thread per rank) with the same loss (token-loss sum
-over the global token count; torch with scale_grads=False); the optimizer is left out of both.
+Three sides per configuration (schedule, M), built from the same weights:
+- "ours": our PipelineRuntime driving plain chunks (the trainer's chunk modules, no FSDP units),
+  with the trainer's loss (token-loss sum over the global token count);
+- "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding plain chunks with
+  the same weights, the same loss (scale_grads=False);
+- "ours + units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
+  the default reshard_after_forward=true, under which each microbatch's forward and backward unshard
+  every unit, and optimize_backward_concat=true), its gradient sync included.
+Each runs one step's pipelined forward + backward (M microbatches of 1 sequence, fp32); the optimizer
+is left out. Step 0's losses and every parameter's gradient are compared across the three sides.
 
-Timing: all configurations of one pp live in the same pp processes and run interleaved by rounds
-(each round: K steps of each), so machine noise hits them alike. A step's time is the slowest rank's
-(a barrier before each step); the table gives medians and the median over rounds of the per-round
-ours/torch ratio. Bubble: from our runtime's per-action wall-clock timestamps, the idle share of each
+Timing: all configurations live in the same processes and run interleaved by rounds (each round: K
+steps of each side, sides in rotating order), so machine noise hits them alike. A step's time is the
+slowest rank's (a barrier before each step); the table gives medians, and ratios are medians over
+rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
-beside the simulator's value for the same program with each rank's measured mean forward and
-backward times (p2p free).
+beside the simulator's for the same program in the runtime's mode (sends waited at the next batch,
+gloo), with each rank's measured mean forward and backward times and free p2p. Peak p2p: the most
+bytes of outgoing tensors our runtime held at once on any rank.
 
     python scripts/bench/pp.py [--model small] [--seq 128] [--rounds 5] [--steps-per-round 2] [--quick]
 """
@@ -37,7 +42,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from model.init import init_weights  # noqa: E402
 from parallel import comm  # noqa: E402
+from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
+from parallel.pipeline.channels import channel_count  # noqa: E402
+from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import TPContext  # noqa: E402
@@ -46,8 +54,11 @@ from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config.rules import validate  # noqa: E402
 from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
 from trainer.parallelize import build_chunks  # noqa: E402
-from trainer.step import StepRunner  # noqa: E402
-from trainer.step import token_loss_sum  # noqa: E402
+from trainer.step import StepRunner, token_loss_sum  # noqa: E402
+
+PP = 2
+SIDES = ("ours", "torch", "units")
+Grads = dict[str, torch.Tensor]
 
 
 class RandomTokens:
@@ -70,51 +81,99 @@ def bench_config(model: str, seq: int, pp: int, schedule: str, m: int) -> TrainC
     per_stage = raw["n_layers"] // (2 * pp) if schedule == "interleaved_1f1b" else None
     return from_dict({"model": raw, "seq_len": seq, "batch_size": m, "pipeline_parallel_size": pp,
                       "pipeline_schedule": schedule, "num_layers_per_virtual_pipeline_stage": per_stage,
-                      "reshard_after_forward": False, "optimize_backward_concat": True})
+                      "reshard_after_forward": True, "optimize_backward_concat": True})
 
 
-class Ours:
+def plain_chunks(cfg: TrainConfig, rank: int) -> list[torch.nn.Module]:
+    chunks = build_chunks(cfg, TPContext(), rank)
+    for chunk in chunks:
+        chunk.to_empty(device="cpu")
+        init_weights(chunk, cfg.model, cfg.seed)
+    return chunks
+
+
+def plain_grads(chunks: list[torch.nn.Module]) -> Grads:
+    grads = {f"{c}.{n}": p.grad.clone() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    return grads
+
+
+class _NoMarks:
+    """Plain modules take no microbatch marks."""
+
+    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
+        pass
+
+    def clear_microbatch(self) -> None:
+        pass
+
+
+class Units:
+    """The trainer's step path: FSDP units in a shard group of one rank."""
+
     def __init__(self, cfg: TrainConfig, world: int):
         self.trainer = StepRunner.build(cfg, ParallelMesh(validate(cfg, world), "cpu"),
-                                     RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size),
-                                     torch.device("cpu"))
+                                        RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size),
+                                        torch.device("cpu"))
 
-    def step(self, step: int) -> float:
+    def step(self, step: int, grads: Grads | None = None) -> float:
         loss = self.trainer._forward_backward(step + 1)  # the trainer's steps are 1-based
         for root in self.trainer.roots:
             root.finish_gradient_sync()
+        if grads is not None:
+            for c, root in enumerate(self.trainer.roots):
+                for unit in root.units:
+                    for name, grad in unflatten(unit.flat_param.grad, unit.spec).items():
+                        grads[f"{c}.{unit.name}.{name}"] = grad
         self.trainer.optimizer.zero_grad()
         return loss.item()
 
 
-class Torch:
-    """torch.distributed.pipelining over this rank's chunks: ours with their FSDP units (`fsdp=True`: the
-    same stage modules; torch marks no microbatch, so every backward adds its gradient into the
-    one-rank shard, a local add) or plain modules with the same weights."""
+class Ours:
+    """Our runtime over plain chunks, on the units side's pipeline communicators."""
 
-    def __init__(self, cfg: TrainConfig, world: int, fsdp: bool):
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh):
+        rank, pp, vpp = dist.get_rank(), cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
+        self.chunks, self.m = plain_chunks(cfg, rank), cfg.num_microbatches
+        self.data = RandomTokens(self.m, cfg.seq_len, cfg.model.vocab_size)
+        program = list(pipeline_actions(cfg.pipeline_schedule, pp, vpp, self.m)[rank])
+        self.runtime = PipelineRuntime(program, pp, self.chunks, [_NoMarks()] * vpp, mesh.group("pp"),
+                                       (1, cfg.seq_len, cfg.model.dim), torch.float32, torch.device("cpu"),
+                                       mesh.pipeline_channels(channel_count(pp, vpp)))
+
+    def step(self, step: int, grads: Grads | None = None) -> float:
+        tokens, total = self.data.tokens(step), [0.0]
+
+        def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
+            mb_loss = token_loss_sum(logits, tokens[mb : mb + 1, 1:])
+            total[0] += mb_loss.item()
+            return mb_loss / (self.m * self.data.seq)
+
+        self.runtime.run_step(lambda mb: tokens[mb : mb + 1, :-1], loss)
+        fresh = plain_grads(self.chunks)
+        if grads is not None:
+            grads.update(fresh)
+        return total[0]
+
+
+class Torch:
+    """torch.distributed.pipelining over plain chunks with the same weights."""
+
+    def __init__(self, cfg: TrainConfig):
         rank, pp = dist.get_rank(), cfg.pipeline_parallel_size
+        self.chunks = plain_chunks(cfg, rank)
         self.data = RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size)
-        if fsdp:
-            trainer = Ours(cfg, world).trainer
-            self.chunks, self.roots = trainer.chunks, trainer.roots
-        else:
-            self.chunks, self.roots = build_chunks(cfg, TPContext(), rank), []
-            for chunk in self.chunks:
-                chunk.to_empty(device="cpu")
-                init_weights(chunk, cfg.model, cfg.seed)
-        global_tokens = cfg.num_microbatches * cfg.seq_len
         self.first, self.last = rank == 0, rank == pp - 1
         stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]
+        global_tokens, m = cfg.num_microbatches * cfg.seq_len, cfg.num_microbatches
         loss = lambda logits, targets: token_loss_sum(logits, targets) / global_tokens  # noqa: E731
-        m = cfg.num_microbatches
         self.schedule = (Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False) if len(stages) == 1
                          else ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False))
 
     @staticmethod
     def _stage(cfg: TrainConfig, chunk: torch.nn.Module, index: int, num_stages: int) -> PipelineStage:
-        """Shapes given up front: torch's shape inference would run an extra forward, which FSDP units
-        rightly count as a forward whose backward never came."""
+        """Shapes given up front: torch's shape inference would run an extra forward."""
         hidden = torch.empty(1, cfg.seq_len, cfg.model.dim, requires_grad=True)
         tokens = torch.zeros(1, cfg.seq_len, dtype=torch.int64)
         logits = torch.empty(1, cfg.seq_len, cfg.model.vocab_size, requires_grad=True)
@@ -122,15 +181,14 @@ class Torch:
                              input_args=(tokens if index == 0 else hidden,),
                              output_args=logits if index == num_stages - 1 else hidden)
 
-    def step(self, step: int) -> float:
+    def step(self, step: int, grads: Grads | None = None) -> float:
         tokens, losses = self.data.tokens(step), []
         args = (tokens[:, :-1],) if self.first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
         self.schedule.step(*args, **kwargs)
-        for root in self.roots:
-            root.finish_gradient_sync()
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
+        fresh = plain_grads(self.chunks)
+        if grads is not None:
+            grads.update(fresh)
         return sum(loss.item() for loss in losses) * self.data.microbatches * self.data.seq if self.last else 0.0
 
 
@@ -138,7 +196,7 @@ def timed(runner, step: int) -> float:
     comm.barrier(comm.world())
     start = time.perf_counter()
     runner.step(step)
-    return time.perf_counter() - start
+    return max(comm.all_gather_object(time.perf_counter() - start, comm.world()))
 
 
 def measured_bubble(trace: list) -> tuple[float, CostFn]:
@@ -154,22 +212,39 @@ def measured_bubble(trace: list) -> tuple[float, CostFn]:
     return sum(1 - b / makespan for b in busy) / len(busy), lambda a: means.get((a.rank, a.op), 0.0)
 
 
-SIDES = ("ours", "torch_fsdp_chunks", "torch_plain")
+def grad_rel_diff(a: Grads, b: Grads) -> float:
+    """Largest gradient difference relative to the gradient's largest entry, over this rank's parameters,
+    worst over ranks."""
+    if a.keys() != b.keys():
+        raise RuntimeError(f"the sides hold different parameters: {sorted(a.keys() ^ b.keys())[:3]}")
+    local = max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in a)
+    return max(comm.all_gather_object(local, comm.world()))
 
 
 def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> list[dict]:
-    configs = [bench_config(model, seq, world, s, m) for s in ("1f1b", "interleaved_1f1b") for m in (2 * world, 4 * world)]
-    runners = [(Ours(cfg, world), Torch(cfg, world, fsdp=True), Torch(cfg, world, fsdp=False)) for cfg in configs]
-    losses = [[comm_sum(side.step(0)) for side in sides] for sides in runners]  # also the warmup
+    torch.set_num_threads(1)
+    configs = [bench_config(model, seq, world, s, m) for s in ("1f1b", "interleaved_1f1b")
+               for m in (world, 2 * world, 4 * world, 2 * world - 1)]
+    runners = []
+    for cfg in configs:
+        units = Units(cfg, world)
+        runners.append((Ours(cfg, units.trainer.mesh), Torch(cfg), units))
+    checks = [_step_zero(sides) for sides in runners]  # also the warmup
     times = [[[] for _ in SIDES] for _ in configs]
     for r in range(rounds):
         for i in range(len(configs)):
             j = (i + r) % len(configs)
-            for side in range((i + r) % len(SIDES), (i + r) % len(SIDES) + len(SIDES)):
+            for side in range(r % len(SIDES), r % len(SIDES) + len(SIDES)):
                 side %= len(SIDES)
-                times[j][side].append([max(comm.all_gather_object(timed(runners[j][side], 1 + s), comm.world()))
-                                       for s in range(k)])
-    return [_result(cfg, world, sides[0], t, loss) for cfg, sides, t, loss in zip(configs, runners, times, losses)]
+                times[j][side].append([timed(runners[j][side], 1 + s) for s in range(k)])
+    return [_result(cfg, world, sides[0], t, check) for cfg, sides, t, check in zip(configs, runners, times, checks)]
+
+
+def _step_zero(sides) -> dict:
+    grads = [{} for _ in sides]
+    losses = [comm_sum(side.step(0, g)) for side, g in zip(sides, grads)]
+    return {"loss": worst(abs(x - losses[0]) / losses[0] for x in losses),
+            "grad_torch": grad_rel_diff(grads[0], grads[1]), "grad_units": grad_rel_diff(grads[2], grads[0])}
 
 
 def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
@@ -177,20 +252,19 @@ def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
     return statistics.median(statistics.median(x) / statistics.median(y) for x, y in zip(a, b))
 
 
-def _result(cfg: TrainConfig, world: int, ours: Ours, times: list, losses: list[float]) -> dict:
-    ours.trainer.runtime.trace = []
+def _result(cfg: TrainConfig, world: int, ours: Ours, times: list, check: dict) -> dict:
+    ours.runtime.trace = []
     ours.step(99)
-    bubble, costs = measured_bubble(ours.trainer.runtime.trace)
-    ours.trainer.runtime.trace = None
+    bubble, costs = measured_bubble(ours.runtime.trace)
+    ours.runtime.trace = None
     vpp = cfg.virtual_pipeline_stages
     program = pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches)
-    simulated = simulate(program, world, vpp, costs).bubble_fraction
+    simulated = simulate(program, world, vpp, costs, sends_block=False, backend="gloo").bubble_fraction
     ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
-    return {
-        "pp": world, "schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,
-        "vs_same": _ratio(times[0], times[1]), "vs_plain": _ratio(times[0], times[2]),
-        "bubble": bubble, "simulated": simulated, "loss_rel_diff": worst(abs(x - losses[0]) / losses[0] for x in losses),
-    }
+    p2p = max(comm.all_gather_object(ours.runtime.peak_p2p_bytes, comm.world()))
+    return {"schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,
+            "vs_torch": _ratio(times[0], times[1]), "units": _ratio(times[2], times[0]),
+            "bubble": bubble, "simulated": simulated, "p2p_mib": p2p / 2**20, **check}
 
 
 def comm_sum(value: float) -> float:
@@ -210,19 +284,20 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.quick:
         opts.rounds, opts.steps_per_round = 2, 1
-    print(f"torch {torch.__version__}, model={opts.model}, seq {opts.seq}, microbatch 1, fp32, CPU gloo, 1 thread/rank")
-    print("| pp | schedule | M | ours ms | torch (same chunks) ms | torch (plain) ms | ours / torch same | "
-          "ours / torch plain | bubble measured | bubble simulated | loss rel diff |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"torch {torch.__version__}, model={opts.model}, seq {opts.seq}, microbatch 1, fp32, CPU gloo, "
+          f"pp={PP}, 1 thread/rank")
+    print("| schedule | M | ours ms | torch ms | ours + units ms | ours / torch | units / ours | bubble measured | "
+          "bubble simulated | peak p2p MiB | loss rel diff | grad rel diff (torch, units) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     diffs = []
-    for pp in (2, 4):
-        for r in spawn(pp, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round):
-            diffs.append(r["loss_rel_diff"])
-            ms = r["ms"]
-            print(f"| {r['pp']} | {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch_fsdp_chunks']:.0f} | "
-                  f"{ms['torch_plain']:.0f} | {r['vs_same']:.3f} | {r['vs_plain']:.3f} | {r['bubble']:.1%} | "
-                  f"{r['simulated']:.1%} | {r['loss_rel_diff']:.1e} |", flush=True)
-    print("\n" + require_agreement("step-0 losses of ours and torch (same chunks, plain)", worst(diffs), rtol=1e-6))
+    for r in spawn(PP, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round):
+        diffs += [r["loss"], r["grad_torch"], r["grad_units"]]
+        ms = r["ms"]
+        print(f"| {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch']:.0f} | {ms['units']:.0f} | "
+              f"{r['vs_torch']:.3f} | {r['units']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | "
+              f"{r['p2p_mib']:.2f} | {r['loss']:.1e} | {r['grad_torch']:.1e}, {r['grad_units']:.1e} |", flush=True)
+    print("\n" + require_agreement("step-0 losses and gradients of ours, torch and ours + units", worst(diffs),
+                                   rtol=1e-5))
 
 
 if __name__ == "__main__":
