@@ -2,9 +2,11 @@
 saved-tensor hooks counting every tensor it saves for backward, once per storage, parameters excluded.
 That is what `mem_snapshot_stop_step` counts on CPU as activations, by the same mechanism.
 
-A chunk is traced with one and with two blocks: their difference is one block's bytes, the rest what a
-chunk holds whatever its depth (its input, the rotary tables); chunks with the embedding or the output head
-(and the loss) add theirs. Every TP / CP collective runs on a fake process group (fake_world.py).
+One trace of a chunk with the embedding, two blocks, the head and the loss: each saved storage counts for
+the part whose forward saved it first. The second block's bytes are every block's; what the first block
+saves beyond them (its input's rotary tables) a chunk holds whatever its depth; the loss's bytes are
+those saved outside every module. Microbatches scale them linearly (one sequence is traced). Every TP /
+CP collective runs on a fake process group (fake_world.py).
 """
 
 from dataclasses import dataclass
@@ -19,17 +21,18 @@ from planner import fake_world
 from trainer.config.schema import ModelConfig
 from trainer.parallelize import apply_activation_checkpointing
 
+PARTS = ("tok_embeddings", "layers.0", "layers.1", "head")
+
 
 @dataclass(frozen=True)
 class ActivationKey:
-    """Everything a microbatch's saved tensors depend on."""
+    """Everything one sequence's saved tensors depend on."""
 
     model: ModelConfig
     tp: int
     cp: int
     sequence_parallel: bool
     cp_comm: str
-    microbatch: int
     seq_len: int
     dtype: torch.dtype
 
@@ -39,54 +42,61 @@ class ChunkActivations:
     """Bytes one microbatch leaves saved for backward, by part of a chunk."""
 
     block: int  # per transformer block
-    chunk: int  # per chunk, whatever its blocks (its input, the rotary tables)
+    chunk: int  # per chunk, whatever its blocks (the rotary tables)
     embedding: int  # the first chunk's embedding
     head: int  # the last chunk's norm and output projection
     loss: int  # the loss over the head's logits (freed by the loss's backward, before the head's)
 
+    def times(self, microbatch: int) -> "ChunkActivations":
+        return ChunkActivations(*(microbatch * v for v in (self.block, self.chunk, self.embedding, self.head, self.loss)))
+
 
 class _SavedBytes:
-    """Saved-tensor hooks summing each storage's bytes once (meta storages have no address: their
-    identity is the storage object's)."""
+    """Saved-tensor hooks summing each storage's bytes once, for the part running when it is first saved
+    (meta storages have no address: their identity is the storage object's)."""
 
     def __init__(self, parameters: set[int]):
-        self.parameters, self.seen, self.total = parameters, set(), 0
+        self.parameters, self.seen = parameters, set()
+        self.part, self.bytes = "outside", {p: 0 for p in (*PARTS, "outside")}
         self.hooks = saved_tensors_hooks(self.pack, lambda t: t)
+
+    def enter(self, part: str) -> None:
+        self.part = part
+
+    def leave(self) -> None:
+        self.part = "outside"
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self.seen and key not in self.parameters:
             self.seen.add(key)
-            self.total += storage.nbytes()
+            self.bytes[self.part] += storage.nbytes()
         return t
 
 
-def _trace(key: ActivationKey, blocks: int, embedding: bool, head: bool, loss: bool = False) -> int:
+@lru_cache(maxsize=1024)
+def sequence_activations(key: ActivationKey) -> ChunkActivations:
+    """One sequence's saved bytes per block, per chunk, for the embedding, the head and the loss."""
     tp = fake_world.tp_context(key.tp, key.sequence_parallel)
     cp = fake_world.cp_context(key.tp, key.cp, key.cp_comm)
     with torch.device("meta"):
-        model = Transformer(key.model, tp, range(blocks), embedding=embedding, head=head, cp=cp).to(key.dtype)
+        model = Transformer(key.model, tp, range(2), embedding=True, head=True, cp=cp).to(key.dtype)
     apply_activation_checkpointing(model, key.model.layer_ckpt)
-    seq = key.seq_len // key.cp
-    if embedding:
-        x = torch.zeros(key.microbatch, seq, dtype=torch.long, device="meta")
-    else:
-        local = seq // key.tp if tp.sequence_parallel else seq
-        x = torch.empty(key.microbatch, local, key.model.dim, dtype=key.dtype, device="meta", requires_grad=True)
     saved = _SavedBytes({p.untyped_storage()._cdata for p in model.parameters()})
+    for part in PARTS:
+        module = model.get_submodule(part)
+        module.register_forward_pre_hook(lambda m, args, part=part: saved.enter(part))
+        module.register_forward_hook(lambda m, args, out: saved.leave())
+    seq = key.seq_len // key.cp
+    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
     with saved.hooks:
-        y = model(x)
-        if loss:
-            targets = torch.zeros(key.microbatch, seq, dtype=torch.long, device="meta")
-            vocab_parallel_cross_entropy(y, targets, tp, key.model.valid_vocab_size).sum()
-    return saved.total
+        logits = model(tokens)
+        vocab_parallel_cross_entropy(logits, tokens, tp, key.model.valid_vocab_size).sum()
+    b = saved.bytes
+    return ChunkActivations(block=b["layers.1"], chunk=b["layers.0"] - b["layers.1"], embedding=b["tok_embeddings"],
+                            head=b["head"], loss=b["outside"])
 
 
-@lru_cache(maxsize=1024)
-def chunk_activations(key: ActivationKey) -> ChunkActivations:
-    """One microbatch's saved bytes per block, per chunk, for the embedding, the head and the loss."""
-    one, two = _trace(key, 1, False, False), _trace(key, 2, False, False)
-    head = _trace(key, 1, False, True)
-    return ChunkActivations(block=two - one, chunk=2 * one - two, embedding=_trace(key, 1, True, False) - one,
-                            head=head - one, loss=_trace(key, 1, False, True, loss=True) - head)
+def chunk_activations(key: ActivationKey, microbatch: int) -> ChunkActivations:
+    return sequence_activations(key).times(microbatch)

@@ -14,7 +14,7 @@ gradient already handed to its reduction).
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from parallel.pipeline.schedule import BACKWARD, FORWARD, Action
 
@@ -45,40 +45,58 @@ class ShardingPlan:
         return self.shard(numel) * self.world
 
 
-@dataclass
+class _Held:
+    """A set of units holding a buffer each, with the bytes they hold together."""
+
+    def __init__(self, nbytes):
+        self.nbytes, self.units, self.total = nbytes, set(), 0
+
+    def add(self, key: tuple[int, int]) -> None:
+        if key not in self.units:
+            self.units.add(key)
+            self.total += self.nbytes(key)
+
+    def discard(self, key: tuple[int, int]) -> None:
+        if key in self.units:
+            self.units.remove(key)
+            self.total -= self.nbytes(key)
+
+
 class _State:
-    chunks: list[list[UnitPlan]]
-    plan: ShardingPlan
-    gathered: set = field(default_factory=set)
-    accumulators: set = field(default_factory=set)
-    shard_sums: set = field(default_factory=set)
-    shard_grads: set = field(default_factory=set)
-    reductions: deque = field(default_factory=deque)  # [unit, collectives left, lands as the step's gradient]
-    activations: int = 0
-    peak: dict = field(default_factory=lambda: {"total": -1})
-    measured: dict = field(default_factory=lambda: {"total": -1})  # the peak of what the CPU snapshot counts
+    def __init__(self, chunks: list[list[UnitPlan]], plan: ShardingPlan):
+        self.chunks, self.plan = chunks, plan
+        numel = {(c, i): u.numel for c, chunk in enumerate(chunks) for i, u in enumerate(chunk)}
+        shards = sum(plan.shard(n) for n in numel.values())
+        self.gathered = _Held(lambda k: plan.compute_bytes * plan.padded(numel[k]))
+        self.accumulators = _Held(lambda k: FP32 * plan.padded(numel[k]))
+        self.shard_sums = _Held(lambda k: FP32 * plan.shard(numel[k]))
+        self.shard_grads = _Held(lambda k: FP32 * plan.shard(numel[k]))
+        self.reductions: deque = deque()  # [unit, collectives left, lands as the step's gradient]
+        self.reducing = 0  # bytes of the unsharded gradients in reduction
+        self.reducing_bytes = lambda k: FP32 * plan.padded(numel[k])
+        self.fixed = {"parameter_shards": FP32 * shards, "optimizer_state": 2 * FP32 * shards}
+        self.activations = 0
+        self.peak: dict = {"total": -1}
+        self.measured: dict = {"total": -1}  # the peak of what the CPU snapshot counts
 
     def unit(self, key: tuple[int, int]) -> UnitPlan:
         return self.chunks[key[0]][key[1]]
 
     def sample(self) -> None:
-        p = self.plan
-        now = {
-            "parameter_shards": sum(FP32 * p.shard(u.numel) for chunk in self.chunks for u in chunk),
-            "unsharded_parameters": sum(p.compute_bytes * p.padded(self.unit(k).numel) for k in self.gathered),
-            "gradients": FP32 * (sum(p.padded(self.unit(k).numel) for k in self.accumulators)
-                                 + sum(p.shard(self.unit(k).numel) for k in self.shard_sums | self.shard_grads)),
-            "reducing_gradients": FP32 * sum(p.padded(self.unit(k).numel) for k, _, _ in self.reductions),
-            "optimizer_state": 2 * FP32 * sum(p.shard(u.numel) for chunk in self.chunks for u in chunk),
-            "activations": self.activations,
-        }
-        now["total"] = sum(now.values())
-        if now["total"] > self.peak["total"]:
-            self.peak = now
-        if now["total"] - now["reducing_gradients"] > self.measured["total"]:
+        held = (self.fixed["parameter_shards"] + self.fixed["optimizer_state"] + self.gathered.total
+                + self.accumulators.total + self.shard_sums.total + self.shard_grads.total + self.activations)
+        if held + self.reducing > self.peak["total"]:
+            self.peak = {**self._categories(), "total": held + self.reducing}
+        if held > self.measured["total"]:
+            now = self._categories()
             self.measured = {"parameters": now["parameter_shards"] + now["unsharded_parameters"],
-                             **{k: now[k] for k in ("gradients", "optimizer_state", "activations")},
-                             "total": now["total"] - now["reducing_gradients"]}
+                             **{k: now[k] for k in ("gradients", "optimizer_state", "activations")}, "total": held}
+
+    def _categories(self) -> dict[str, int]:
+        return {"parameter_shards": self.fixed["parameter_shards"], "unsharded_parameters": self.gathered.total,
+                "gradients": self.accumulators.total + self.shard_sums.total + self.shard_grads.total,
+                "reducing_gradients": self.reducing, "optimizer_state": self.fixed["optimizer_state"],
+                "activations": self.activations}
 
     def gather(self, chunk: int, index: int) -> None:
         if 0 <= index < len(self.chunks[chunk]):
@@ -115,15 +133,19 @@ class _State:
             entry[1] -= 1
             if entry[1] < 0:
                 self.reductions.remove(entry)
-                self.land(entry[0], entry[2])
+                self.complete(entry)
         collectives = self.plan.collectives if last else self.plan.collectives_before_last
         if collectives == 0:
             self.land(key, last)
         else:
             self.reductions.append([key, collectives - 1, last])
+            self.reducing += self.reducing_bytes(key)
         while len(self.reductions) > self.plan.in_flight:
-            oldest = self.reductions.popleft()
-            self.land(oldest[0], oldest[2])
+            self.complete(self.reductions.popleft())
+
+    def complete(self, entry: list) -> None:
+        self.reducing -= self.reducing_bytes(entry[0])
+        self.land(entry[0], entry[2])
 
     def land(self, key: tuple[int, int], last: bool) -> None:
         if last:

@@ -45,7 +45,7 @@ def compute_dtype(cfg: TrainConfig) -> torch.dtype:
 def activation_key(cfg: TrainConfig, dtype: torch.dtype, layer_ckpt: str | None = None) -> ActivationKey:
     model = cfg.model if layer_ckpt is None else dataclasses.replace(cfg.model, layer_ckpt=layer_ckpt)
     return ActivationKey(model, cfg.model_parallel_size, cfg.context_parallel_size, cfg.model.sequence_parallel,
-                         cfg.context_parallel_comm, cfg.microbatch_size, cfg.seq_len, dtype)
+                         cfg.context_parallel_comm, cfg.seq_len, dtype)
 
 
 @lru_cache(maxsize=64)
@@ -69,14 +69,14 @@ def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations) -> 
         exchange += kv * (cfg.seq_len if cfg.context_parallel_comm == "all_gather" else 2 * local_seq)
     recompute = 0
     if m.layer_ckpt != "none":
-        recompute = chunk_activations(activation_key(cfg, dtype, "none")).block - acts.block
+        recompute = chunk_activations(activation_key(cfg, dtype, "none"), mb).block - acts.block
     return {"p2p_buffers": 2 * hop if cfg.pipeline_parallel_size > 1 else 0, "exchange_buffers": exchange,
             "recompute": recompute}
 
 
 def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
     dtype = compute_dtype(cfg)
-    acts = chunk_activations(activation_key(cfg, dtype))
+    acts = chunk_activations(activation_key(cfg, dtype), cfg.microbatch_size)
     together = cfg.pipeline_parallel_size * cfg.virtual_pipeline_stages == 1 and cfg.model.tie_embeddings
     sizes = unit_sizes(cfg.model, dims.tp, together)
     units = []
