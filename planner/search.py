@@ -17,7 +17,7 @@ from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from planner.devices import DeviceProfile
 from planner.rank_plan import stage_plan
-from planner.step_time import StepTime, predict
+from planner.step_time import StepTime, compute_lower_bound, predict
 from trainer.config.rules import validate
 from trainer.config.schema import TrainConfig, setting
 from trainer.parallelize import DTYPES
@@ -26,7 +26,11 @@ LAYOUT_KEYS = ("model_parallel_size", "model.sequence_parallel", "context_parall
                "num_layers_per_virtual_pipeline_stage", "pipeline_first_stage_layers", "pipeline_last_stage_layers",
                "dp_replicate", "batch_size", "microbatch_size", "model.layer_ckpt", "reshard_after_forward",
                "grad_reduce", "compute_dtype")
-VARIANTS = tuple(product(("full", "selective", "none"), (True, False), ("per_microbatch", "last_microbatch")))
+MAX_CP, MAX_PP = 8, 16  # beyond these the exchanges and the bubble outweigh what they save
+# The switches that trade time for memory, each listed fastest first (recompute, re-gathers, reductions
+# per microbatch only add work): a variant is never faster than one at least as fast on every switch.
+SWITCHES = (("none", "selective", "full"), (False, True), ("last_microbatch", "per_microbatch"))
+VARIANTS = tuple(product(*SWITCHES))
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,10 @@ def structures(base: TrainConfig, world: int, global_batch: int, device: DeviceP
     """(tp, cp, pp, split, dp_replicate, microbatch_size, batch_size) of every layout the sizes allow."""
     m = base.model
     for tp in _powers_of_two(min(device.gpus_per_node, world)):
-        for cp in _powers_of_two(world // tp):
+        for cp in _powers_of_two(min(MAX_CP, world // tp)):
             if base.seq_len % (2 * cp) and cp > 1:
                 continue
-            for pp in (p for p in range(1, min(m.n_layers, world // (tp * cp)) + 1) if world % (tp * cp * p) == 0):
+            for pp in (p for p in range(1, min(MAX_PP, m.n_layers, world // (tp * cp)) + 1) if world % (tp * cp * p) == 0):
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
@@ -90,38 +94,61 @@ def _configure(base: TrainConfig, structure: tuple, variant: tuple, dtype: str) 
                                dry_run=True, world_size=None)
 
 
+def shortened(cfg: TrainConfig, pp: int) -> TrainConfig:
+    """The layout with at most 2 x pp microbatches: past them a stage's peak memory no longer grows (1F1B
+    holds at most pp in flight; the gradient buffers exist from the first backward), and the step time
+    is extrapolated from them (step_time.py)."""
+    micro = min(cfg.num_microbatches, 2 * pp)
+    return dataclasses.replace(cfg, batch_size=micro * cfg.microbatch_size)
+
+
 def peak_bytes(cfg: TrainConfig, dims: ParallelDims) -> int:
-    """The worst pipeline stage's predicted peak; past 2 x pp microbatches the peak no longer grows, so
-    the program of at most that many is simulated."""
-    micro = min(cfg.num_microbatches, 2 * dims.pp)
-    short = dataclasses.replace(cfg, batch_size=micro * cfg.microbatch_size)
-    stages = {0, dims.pp - 1}
-    return max(stage_plan(short, dims, r).memory["peak_bytes"] for r in stages)
+    """The worst pipeline stage's predicted peak: the first holds the most microbatches, the last the loss."""
+    return max(stage_plan(cfg, dims, r).memory["peak_bytes"] for r in {0, dims.pp - 1})
 
 
-def plan_layouts(base: TrainConfig, world: int, global_batch: int, device: DeviceProfile,
-                 budget_bytes: int) -> list[Candidate]:
-    """Every fitting layout, fastest first. Raises ConfigError when no layout is valid, NothingFits when
-    none fits."""
+def _at_least_as_fast(a: tuple, b: tuple) -> bool:
+    return all(options.index(x) <= options.index(y) for options, x, y in zip(SWITCHES, a, b))
+
+
+def plan_layouts(base: TrainConfig, world: int, global_batch: int, device: DeviceProfile, budget_bytes: int,
+                 top: int) -> list[Candidate]:
+    """The `top` fastest fitting layouts, fastest first. Layouts are tried in the order of their compute
+    alone (a bound no step beats), so the search stops once that bound passes the top rows' times.
+    Raises ConfigError when no layout is valid, NothingFits when none fits."""
     dtype = base.compute_dtype or ("fp32" if device.name == "cpu" else "bf16")
     dtype_bytes = DTYPES[dtype].itemsize
-    fitting, closest, valid = [], None, 0
+    queue = []
     for structure in structures(base, world, global_batch, device):
+        try:  # the shortened step: the rules that read the microbatch count hold for more of them
+            dims = validate(shortened(_configure(base, structure, VARIANTS[-1], dtype), structure[2]), world)
+        except ConfigError:
+            continue
         for variant in VARIANTS:
             cfg = _configure(base, structure, variant, dtype)
-            try:
-                dims = validate(cfg, world)
-            except ConfigError:
-                break  # the variants share the structure's rules
-            valid += 1
-            peak = peak_bytes(cfg, dims)
-            if peak > budget_bytes:
-                if closest is None or peak < closest.peak_bytes:
-                    closest = Candidate(cfg, dims, peak)
-                if variant == VARIANTS[0]:
-                    break  # the most frugal variant does not fit: none of them does
-                continue
-            fitting.append(Candidate(cfg, dims, peak, predict(cfg, dims, device, dtype_bytes)))
+            queue.append((compute_lower_bound(cfg, dims, device, dtype_bytes), len(queue), cfg, dims, structure, variant))
+    valid = bool(queue)
+    best: list[Candidate] = []
+    closest: Candidate | None = None
+    fits: dict[tuple, list] = {}  # structure -> its fitting variants so far (None: its most frugal overflows)
+    for bound, _, cfg, dims, structure, variant in sorted(queue, key=lambda q: q[:2]):
+        if len(best) >= top and bound >= best[-1].time.step_s:
+            break
+        if structure not in fits:
+            frugal = _configure(base, structure, VARIANTS[-1], dtype)
+            peak = peak_bytes(shortened(frugal, dims.pp), dims)
+            fits[structure] = [] if peak <= budget_bytes else None
+            if fits[structure] is None and (closest is None or peak < closest.peak_bytes):
+                closest = Candidate(frugal, dims, peak)
+        if fits[structure] is None or any(_at_least_as_fast(f, variant) for f in fits[structure]):
+            continue  # nothing of it fits, or a fitting variant of it is as fast on every switch
+        peak = peak_bytes(shortened(cfg, dims.pp), dims)
+        if peak > budget_bytes:
+            continue
+        fits[structure].append(variant)
+        best.append(Candidate(cfg, dims, peak, predict(cfg, dims, device, dtype_bytes)))
+        best = sorted(best, key=lambda c: c.time.step_s)[:top]
+    fitting = best
     if not valid:
         raise ConfigError(f"no layout of model.n_layers={base.model.n_layers}, model.n_heads={base.model.n_heads}, "
                           f"seq_len={base.seq_len} and a global batch of {global_batch} sequences divides a world "
@@ -131,4 +158,4 @@ def plan_layouts(base: TrainConfig, world: int, global_batch: int, device: Devic
         raise NothingFits(f"no layout fits {budget_bytes / gib:.1f} GiB per device: the closest needs "
                           f"{closest.peak_bytes / gib:.1f} GiB ({(closest.peak_bytes - budget_bytes) / gib:.1f} GiB "
                           f"over): {' '.join(closest.overrides())}")
-    return sorted(fitting, key=lambda c: c.time.step_s)
+    return fitting

@@ -118,12 +118,24 @@ def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: b
     return total, compute
 
 
+def compute_lower_bound(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> float:
+    """Seconds no step of the layout can beat: the busiest rank's compute alone."""
+    c = _costs(cfg, dims, device, dtype_bytes)
+    work = {"block": 3 * c.block_forward + c.recompute, "head": 3 * c.head_forward, "embedding": 0.0}
+    return cfg.num_microbatches * max(sum(work[kind] for chunk in rank_kinds(cfg, r) for kind in chunk)
+                                      for r in range(dims.pp))
+
+
+def rank_kinds(cfg: TrainConfig, pp_rank: int) -> list[list[str]]:
+    """The kinds of a rank's units, chunk by chunk, in forward order."""
+    return [["embedding"] * ch.embedding + ["block"] * ch.blocks + ["head"] * ch.head for ch in rank_chunks(cfg, pp_rank)]
+
+
 def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> StepTime:
     c = _costs(cfg, dims, device, dtype_bytes)
     pp, vpp, microbatches = dims.pp, cfg.virtual_pipeline_stages, cfg.num_microbatches
     simulated = _simulated_microbatches(microbatches, pp)
-    kinds = {r: [["embedding"] * ch.embedding + ["block"] * ch.blocks + ["head"] * ch.head for ch in rank_chunks(cfg, r)]
-             for r in range(pp)}
+    kinds = {r: rank_kinds(cfg, r) for r in range(pp)}
     computing: dict[Action, float] = {}
 
     def cost(a: Action) -> float:
