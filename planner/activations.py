@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
 
 from model.transformer import Transformer
 from parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -75,6 +77,19 @@ class _SavedBytes:
         return t
 
 
+class _FusedAttention(TorchFunctionMode):
+    """Causal sdpa as a device runs it: the flash kernel (CPU's and CUDA's save the same: q, k, v, the
+    output and its log-sum-exp). On the meta device sdpa would take its math path, which saves the
+    seq x seq scores no device keeps."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("is_causal") and kwargs.get("attn_mask") is None:
+            q, k, v = args[:3]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        return func(*args, **kwargs)
+
+
 @lru_cache(maxsize=1024)
 def sequence_activations(key: ActivationKey) -> ChunkActivations:
     """One sequence's saved bytes per block, per chunk, for the embedding, the head and the loss."""
@@ -90,7 +105,7 @@ def sequence_activations(key: ActivationKey) -> ChunkActivations:
         module.register_forward_hook(lambda m, args, out: saved.leave())
     seq = key.seq_len // key.cp
     tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    with saved.hooks:
+    with saved.hooks, _FusedAttention():
         logits = model(tokens)
         vocab_parallel_cross_entropy(logits, tokens, tp, key.model.valid_vocab_size).sum()
     b = saved.bytes
