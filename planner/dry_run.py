@@ -64,22 +64,26 @@ def plan(cfg: TrainConfig, dims: ParallelDims) -> dict:
     }
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.2f} MiB"
+
+
 def summary(report: dict) -> list[str]:
     params, memory, layout = report["parameters"], report["memory"], report["layout"]
     worst = memory["per_rank"][memory["worst_pp_rank"]]
     shown = ", ".join(f"{k}={v}" for k, v in layout.items())
     lines = [f"dry run: {report['world_size']} ranks: {shown}",
-             f"parameters: {params['total'] / 1e9:.3f} B total, {params['embedding'] / 1e9:.3f} B embedding, "
-             f"{max(r['parameters'] for r in params['per_rank']) / 1e9:.3f} B on the largest rank",
-             f"peak memory: {memory['peak_bytes'] / GIB:.2f} GiB on pipeline stage {worst['pp_rank']} (ranks "
+             f"parameters: {params['total']:,} total, {params['embedding']:,} embedding, "
+             f"{max(r['parameters'] for r in params['per_rank']):,} on the largest rank (TP-local)",
+             f"peak memory: {_size(memory['peak_bytes'])} on pipeline stage {worst['pp_rank']} (ranks "
              f"{worst['ranks'][0]}..{worst['ranks'][1]}), by category:"]
-    lines += [f"  {k:<22} {v / GIB:9.3f} GiB" for k, v in worst["categories"].items()]
-    others = [f"stage {r['pp_rank']} {r['peak_bytes'] / GIB:.2f}" for r in memory["per_rank"]]
+    lines += [f"  {k:<22} {_size(v):>12}" for k, v in worst["categories"].items()]
+    others = [f"stage {r['pp_rank']} {_size(r['peak_bytes'])}" for r in memory["per_rank"]]
     if len(others) > 1:
-        lines.append("peak per pipeline stage, GiB: " + ", ".join(others))
+        lines.append("peak per pipeline stage: " + ", ".join(others))
     flops = report["flops"]
-    lines += [f"model FLOPs: {flops['per_token'] / 1e9:.2f} GFLOP per token, {flops['per_step'] / 1e15:.2f} PFLOP "
-              f"per step ({flops['tokens_per_step']} tokens)",
+    lines += [f"model FLOPs: {flops['per_token']:.4g} per token, {flops['per_step']:.4g} per step "
+              f"({flops['tokens_per_step']} tokens)",
               f"pipeline bubble (simulated, backward = 2 forwards): {report['pipeline']['bubble_fraction']:.1%}"]
     return lines
 

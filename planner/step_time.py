@@ -54,7 +54,7 @@ class _Costs:
     recompute: float  # per block, added to its backward
     gather: dict  # unit kind -> all-gather seconds
     reduce: dict  # unit kind -> reduce-scatter seconds (+ HSDP all-reduce on the last microbatch)
-    replicas: dict
+    replicas: dict  # unit kind -> HSDP all-reduce seconds (the step's last microbatch)
     numel: dict  # unit kind -> TP-local parameters
     hop: float  # p2p transfer of one activation or gradient
 
@@ -97,6 +97,7 @@ def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_by
     reduce = {k: n * reduce_bytes * (world - 1) / world / shard_link for k, n in numel.items()}
     r = dims.dp_replicate
     replicas = {k: 2 * n / world * reduce_bytes * (r - 1) / r / replica_link for k, n in numel.items()}
+    # Neighbouring pipeline stages are world / pp ranks apart.
     hop = activation / (tp if m.sequence_parallel and tp > 1 else 1) / _link(device, dims.world_size // dims.pp + 1)
     return _Costs(block_forward, head_forward, exchange, recompute, gather, reduce, replicas, numel, hop)
 
@@ -163,7 +164,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     step = makespan + optimizer + drain
     tokens = cfg.batch_size * dims.dp * cfg.seq_len
     flops = training_flops_per_token(cfg.model, cfg.seq_len) * tokens
-    peak = device.flops(dtype_bytes, cfg.model.use_fp8)
+    peak = device.flops(dtype_bytes)  # MFU against the compute dtype's peak, fp8 GEMMs or not
     parts = {"compute": compute, "pipeline bubble": max(0.0, makespan - busy),
              "FSDP communication": max(0.0, busy - compute - exchange), "TP/CP communication": exchange,
              "optimizer": optimizer + drain}
@@ -172,4 +173,5 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
 
 
 def _simulated_microbatches(microbatches: int, pp: int) -> int:
+    """Enough microbatches for every rank to reach its steady state (1F1B's warm-up is under pp)."""
     return min(microbatches, 2 * pp)
