@@ -93,6 +93,11 @@ class _FusedAttention(TorchFunctionMode):
 @lru_cache(maxsize=1024)
 def sequence_activations(key: ActivationKey) -> ChunkActivations:
     """One sequence's saved bytes per block, per chunk, for the embedding, the head and the loss."""
+    with fake_world.started():
+        return _trace(key)
+
+
+def _trace(key: ActivationKey) -> ChunkActivations:
     tp = fake_world.tp_context(key.tp, key.sequence_parallel)
     cp = fake_world.cp_context(key.tp, key.cp, key.cp_comm)
     with torch.device("meta"):

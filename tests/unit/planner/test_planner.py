@@ -59,6 +59,7 @@ def test_dry_run_of_405b_on_1024_ranks_in_one_process_allocates_nothing():
     assert report["memory"]["peak_bytes"] == max(s["peak_bytes"] for s in stages)
     assert 0 < report["pipeline"]["bubble_fraction"] < 0.05  # 256 microbatches over 8 stages
     assert report["flops"]["tokens_per_step"] == 2048 * 8192
+    assert not torch.distributed.is_initialized()  # the fake world is gone: the process may make its own
 
 
 def test_meta_trace_counts_what_a_real_forward_saves():
