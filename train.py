@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from parallel.comm import CommTimeout
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
+from planner.dry_run import dry_run, planned_world
 from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input, linger, resolved
 from trainer.config.hf_model import fill_hf_model
 from trainer.config.rules import validate
@@ -96,7 +97,11 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
         refuse_a_launcher_without_a_sweep()
         sweep_job_dump_dir(values, launch)
         cfg = from_dict(fill_hf_model(values))
-        run(cfg, launch, validate(cfg, launch.world_size))
+        dims = validate(cfg, planned_world(cfg, launch))
+        if cfg.dry_run:
+            dry_run(cfg, launch, dims)
+            return
+        run(cfg, launch, dims)
     except (ConfigError, FloatingPointError) as e:
         # Ranks see the same bad input (or the same reduced gradient norm).
         exit_on_bad_input(str(e), launch, code=2 if isinstance(e, ConfigError) else 3)

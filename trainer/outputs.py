@@ -18,12 +18,13 @@ REWRITE_FILE = f".{METRICS_FILE}.tmp"  # a resume rewrites metrics.jsonl through
 JOB_FILE = "job.json"  # which job writes metrics.jsonl
 STOPPED_FILE = "stopped.json"  # the step a job stopped after on its stop_signal (a batch script requeues on it)
 WANDB_RUN_FILE = "wandb_run.json"  # the Weights & Biases run id a resumed job continues (metrics.wandb)
+PLAN_FILE = "plan.json"  # dry_run=true's plan: parameters, per-rank memory, FLOPs, the schedule's bubble
 LOCK_FILE = ".lock"
 TAKEOVER_FILE = ".lock.takeover"
 
 # The files a job writes directly in its dump_dir: a folder by one of these names is refused up front.
 JOB_FILES = (LOCK_FILE, TAKEOVER_FILE, METRICS_FILE, SUPERSEDED_FILE, REWRITE_FILE, JOB_FILE, STOPPED_FILE,
-             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE, WANDB_RUN_FILE)
+             FINGERPRINT_FILE, CONFIG_FILE, LAYOUT_FILE, WANDB_RUN_FILE, PLAN_FILE)
 
 CHECKPOINTS_DIR = "checkpoints"
 TB_DIR = "tb"

@@ -39,7 +39,8 @@ _NON_NEGATIVE = (
 )
 _OPTIONAL_POSITIVE = ("optim.decay_steps", "optim.decay_start", "model.ffn_dim_multiplier", "model.intermediate_size",
                       "num_layers_per_virtual_pipeline_stage", "mem_snapshot_stop_step", "make_vocab_size_divisible_by",
-                      "pipeline_first_stage_layers", "pipeline_last_stage_layers", "data.prepare_workers")
+                      "pipeline_first_stage_layers", "pipeline_last_stage_layers", "data.prepare_workers",
+                      "world_size")
 _UNIT_INTERVAL = ("optim.beta1", "optim.beta2")  # [0, 1)
 SEED_MAX = 2**32 - 1
 COMM_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s start-up itself times out; above, C's int overflows

@@ -147,6 +147,8 @@ class TrainConfig:
     stop_signal: str | None = None
     nan_policy: str = "halt"
     comm_timeout_s: float = 600.0
+    dry_run: bool = False
+    world_size: int | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -1,0 +1,168 @@
+"""A rank's memory over one optimizer step, by category, following the FSDP protocol unit by unit through
+the rank's pipeline program: the peak of the categories `mem_snapshot_stop_step` measures, and the
+buffers it does not see.
+
+Each forward of a unit gathers it (and prefetches the next), saves its activations, and under
+reshard_after_forward frees the gathered copy; each backward gathers it again (and prefetches the
+previous one), frees its activations into its fp32 unsharded gradient accumulator, and on a microbatch
+that reduces (the chunk's last; every one with grad_reduce=per_microbatch) hands the accumulator to the
+reduce-scatter, whose result lands in the shard's gradient (or, per microbatch, an fp32 shard sum).
+The optimizer's two Adam moments per shard element exist from the first update on: the step modelled
+is a later one. Samples are taken where the CPU measurement takes them: as a unit's activations are
+saved (forward), and as its backward starts (the unit and the previous one gathered, the next one's
+gradient already handed to its reduction).
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from parallel.pipeline.schedule import BACKWARD, FORWARD, Action
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    numel: int  # TP-local parameters
+    activation: int  # bytes one microbatch saves in it
+    outside: int = 0  # saved after it (the loss), freed before its backward starts
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    world: int  # the shard group: dp_shard x cp
+    compute_bytes: int  # element size of the gathered parameters
+    reshard_after_forward: bool
+    per_microbatch: bool  # grad_reduce=per_microbatch
+    collectives: int  # a reduction's collectives before it lands on the step's last microbatch ...
+    collectives_before_last: int  # ... and on an earlier one (per microbatch)
+    in_flight: int = 2  # reductions the queue keeps going before it completes the oldest
+
+    def shard(self, numel: int) -> int:
+        return -(-numel // self.world)
+
+    def padded(self, numel: int) -> int:
+        return self.shard(numel) * self.world
+
+
+class _Held:
+    """A set of units holding a buffer each, with the bytes they hold together."""
+
+    def __init__(self, nbytes):
+        self.nbytes, self.units, self.total = nbytes, set(), 0
+
+    def add(self, key: tuple[int, int]) -> None:
+        if key not in self.units:
+            self.units.add(key)
+            self.total += self.nbytes(key)
+
+    def discard(self, key: tuple[int, int]) -> None:
+        if key in self.units:
+            self.units.remove(key)
+            self.total -= self.nbytes(key)
+
+
+class _State:
+    def __init__(self, chunks: list[list[UnitPlan]], plan: ShardingPlan):
+        self.chunks, self.plan = chunks, plan
+        numel = {(c, i): u.numel for c, chunk in enumerate(chunks) for i, u in enumerate(chunk)}
+        shards = sum(plan.shard(n) for n in numel.values())
+        self.gathered = _Held(lambda k: plan.compute_bytes * plan.padded(numel[k]))
+        self.accumulators = _Held(lambda k: FP32 * plan.padded(numel[k]))
+        self.shard_sums = _Held(lambda k: FP32 * plan.shard(numel[k]))
+        self.shard_grads = _Held(lambda k: FP32 * plan.shard(numel[k]))
+        self.reductions: deque = deque()  # [unit, collectives left, lands as the step's gradient]
+        self.reducing = 0  # bytes of the unsharded gradients in reduction
+        self.reducing_bytes = lambda k: FP32 * plan.padded(numel[k])
+        self.fixed = {"parameter_shards": FP32 * shards, "optimizer_state": 2 * FP32 * shards}
+        self.activations = 0
+        self.peak: dict = {"total": -1}
+        self.measured: dict = {"total": -1}  # the peak of what the CPU snapshot counts
+
+    def unit(self, key: tuple[int, int]) -> UnitPlan:
+        return self.chunks[key[0]][key[1]]
+
+    def sample(self) -> None:
+        held = (self.fixed["parameter_shards"] + self.fixed["optimizer_state"] + self.gathered.total
+                + self.accumulators.total + self.shard_sums.total + self.shard_grads.total + self.activations)
+        if held + self.reducing > self.peak["total"]:
+            self.peak = {**self._categories(), "total": held + self.reducing}
+        if held > self.measured["total"]:
+            now = self._categories()
+            self.measured = {"parameters": now["parameter_shards"] + now["unsharded_parameters"],
+                             **{k: now[k] for k in ("gradients", "optimizer_state", "activations")}, "total": held}
+
+    def _categories(self) -> dict[str, int]:
+        return {"parameter_shards": self.fixed["parameter_shards"], "unsharded_parameters": self.gathered.total,
+                "gradients": self.accumulators.total + self.shard_sums.total + self.shard_grads.total,
+                "reducing_gradients": self.reducing, "optimizer_state": self.fixed["optimizer_state"],
+                "activations": self.activations}
+
+    def gather(self, chunk: int, index: int) -> None:
+        if 0 <= index < len(self.chunks[chunk]):
+            self.gathered.add((chunk, index))
+
+    def forward(self, chunk: int) -> None:
+        for i, unit in enumerate(self.chunks[chunk]):
+            self.gather(chunk, i)
+            self.gather(chunk, i + 1)
+            self.activations += unit.activation + unit.outside
+            self.sample()
+            if self.plan.reshard_after_forward:
+                self.gathered.discard((chunk, i))
+
+    def backward(self, chunk: int, last: bool) -> None:
+        for i in reversed(range(len(self.chunks[chunk]))):
+            key = (chunk, i)
+            self.activations -= self.unit(key).outside
+            self.gather(chunk, i)
+            self.gather(chunk, i - 1)
+            self.sample()
+            self.activations -= self.unit(key).activation
+            self.accumulators.add(key)
+            if last or self.plan.per_microbatch:
+                self.accumulators.discard(key)
+                self.reduce(key, last)
+            if self.plan.reshard_after_forward:
+                self.gathered.discard(key)
+
+    def reduce(self, key: tuple[int, int], last: bool) -> None:
+        """The reduction queue (parallel/fsdp/reductions.py): pushing one moves every earlier one on by one
+        collective, then starts it; beyond the limit the oldest completes. A completed one lands."""
+        for entry in list(self.reductions):
+            entry[1] -= 1
+            if entry[1] < 0:
+                self.reductions.remove(entry)
+                self.complete(entry)
+        collectives = self.plan.collectives if last else self.plan.collectives_before_last
+        if collectives == 0:
+            self.land(key, last)
+        else:
+            self.reductions.append([key, collectives - 1, last])
+            self.reducing += self.reducing_bytes(key)
+        while len(self.reductions) > self.plan.in_flight:
+            self.complete(self.reductions.popleft())
+
+    def complete(self, entry: list) -> None:
+        self.reducing -= self.reducing_bytes(entry[0])
+        self.land(entry[0], entry[2])
+
+    def land(self, key: tuple[int, int], last: bool) -> None:
+        if last:
+            self.shard_sums.discard(key)
+            self.shard_grads.add(key)
+        else:
+            self.shard_sums.add(key)
+
+
+def peak_memory(program: list[Action], chunks: list[list[UnitPlan]], plan: ShardingPlan) -> tuple[dict, dict]:
+    """The rank's bytes by category at the peak of their sum over one step of `program`, and at the peak
+    of what mem_snapshot_stop_step measures, in its categories (the gradients in reduction it does not see)."""
+    state = _State(chunks, plan)
+    last_backward = {a.chunk: a.microbatch for a in program if a.op == BACKWARD}
+    for a in program:
+        if a.op == FORWARD:
+            state.forward(a.chunk)
+        elif a.op == BACKWARD:
+            state.backward(a.chunk, a.microbatch == last_backward[a.chunk])
+    return state.peak, state.measured

@@ -1,0 +1,177 @@
+"""Predicted step time of a layout on a device profile.
+
+Each compute action (a chunk's forward or backward of one microbatch) costs, unit by unit, the larger of
+its compute and its FSDP traffic, as the runtime overlaps them (the next unit's all-gather is prefetched
+while this one computes; reductions run behind the backward):
+
+    compute     TP-local GEMM FLOPs / (peak x efficiency), the efficiency falling for small GEMMs (a
+                curve in the GEMM's rows and TP-local width, not fitted to measurements), backward twice
+                the forward, plus the recomputed forward of layer_ckpt; TP's and CP's exchanges are
+                added (they sit between the GEMMs); CP's ring overlaps its attention
+    FSDP        the unit's all-gather (every microbatch under reshard_after_forward, else the first)
+                and, on a reducing microbatch, its reduce-scatter and HSDP's all-reduce
+    links       a group whose ranks fit in one node uses the intra-node bandwidth, else the inter-node
+
+The pipeline programs run on the simulator (NCCL semantics) with these costs and the p2p transfer
+times; past 2 x pp microbatches the steady per-microbatch time is extrapolated. The optimizer's update
+(HBM-bound) and the last reductions' drain close the step.
+"""
+
+from dataclasses import dataclass
+
+from parallel.mesh import ParallelDims
+from parallel.pipeline.schedule import BACKWARD, FORWARD, Action, pipeline_actions
+from parallel.pipeline.simulate import simulate
+from planner.devices import DeviceProfile
+from planner.units import rank_chunks, unit_sizes
+from trainer.config.schema import TrainConfig
+from trainer.observability.flops import training_flops_per_token
+
+PEAK_EFFICIENCY = 0.6  # the best fraction of the dense peak a large GEMM reaches, end to end
+HALF_EFFICIENCY_SIZE = 128  # GEMM rows or width at which half of that is lost
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    bound: str  # compute | pipeline bubble | FSDP communication | TP/CP communication
+    parts: dict[str, float]  # seconds per step on the slowest rank, by resource
+
+
+def _efficiency(rows: int, width: int) -> float:
+    return PEAK_EFFICIENCY * min(rows, width) / (min(rows, width) + HALF_EFFICIENCY_SIZE)
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Seconds per unit of one microbatch: compute of a forward, exposed TP/CP exchange of a forward."""
+
+    block_forward: float
+    head_forward: float
+    exchange: float  # per block, forward (the backward exchanges as much again)
+    recompute: float  # per block, added to its backward
+    gather: dict  # unit kind -> all-gather seconds
+    reduce: dict  # unit kind -> reduce-scatter seconds (+ HSDP all-reduce on the last microbatch)
+    replicas: dict  # unit kind -> HSDP all-reduce seconds (the step's last microbatch)
+    numel: dict  # unit kind -> TP-local parameters
+    hop: float  # p2p transfer of one activation or gradient
+
+
+def _link(device: DeviceProfile, span: int) -> float:
+    """Bytes per second of a group whose ranks lie within `span` consecutive ranks."""
+    return (device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps) * 1e9
+
+
+def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> _Costs:
+    m, tp, cp, mb = cfg.model, dims.tp, dims.cp, cfg.microbatch_size
+    rows = mb * cfg.seq_len // cp  # tokens of a microbatch on this rank
+    fp8 = m.use_fp8
+    peak = device.flops(dtype_bytes, fp8)
+    attn_params = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    gemms = rows * 2 * (attn_params + 3 * m.dim * m.ffn_hidden_dim) / tp
+    # Causal attention computes half the score product. Under CP the framework's attention over key
+    # blocks runs the plain formula in fp32 off the CPU (parallel/context_parallel/lse.py), not flash.
+    attention = rows * 2 * m.n_heads * m.head_dim * cfg.seq_len / tp
+    attention_peak = device.flops(4) if cp > 1 and device.name != "cpu" else peak
+    attention_s = attention / (attention_peak * _efficiency(rows, m.head_dim))
+    block_forward = gemms / (peak * _efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)) + attention_s
+    head_forward = rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes) * _efficiency(rows, m.vocab_size // tp))
+    activation = rows * m.dim * dtype_bytes
+    tp_link, cp_link = _link(device, tp), _link(device, tp * cp)
+    exchange = 0.0
+    if tp > 1:  # two gathers and two reduce-scatters (SP), or two all-reduces, per block and pass
+        exchange += 2 * activation * (tp - 1) / tp * (1 if m.sequence_parallel else 2) / tp_link
+    if cp > 1:
+        kv = 2 * mb * cfg.seq_len * (m.n_kv_heads // tp) * m.head_dim * dtype_bytes * (cp - 1) / cp / cp_link
+        exchange += kv if cfg.context_parallel_comm == "all_gather" else max(0.0, kv - attention_s)
+    recompute = {"none": 0.0, "full": block_forward, "selective": attention_s}[m.layer_ckpt]
+    world = dims.dp_shard * cp
+    shard_link, replica_link = _link(device, tp * cp * dims.dp_shard), _link(device, dims.world_size // dims.pp)
+    together = dims.pp * cfg.virtual_pipeline_stages == 1 and m.tie_embeddings
+    sizes = unit_sizes(m, tp, together)
+    numel = {"embedding": sizes.embedding, "block": sizes.block, "head": sizes.head}
+    gather = {k: n * dtype_bytes * (world - 1) / world / shard_link for k, n in numel.items()}
+    reduce_bytes = 4 if cfg.reduce_dtype == "fp32" else 2
+    reduce = {k: n * reduce_bytes * (world - 1) / world / shard_link for k, n in numel.items()}
+    r = dims.dp_replicate
+    replicas = {k: 2 * n / world * reduce_bytes * (r - 1) / r / replica_link for k, n in numel.items()}
+    # Neighbouring pipeline stages are world / pp ranks apart.
+    hop = activation / (tp if m.sequence_parallel and tp > 1 else 1) / _link(device, dims.world_size // dims.pp + 1)
+    return _Costs(block_forward, head_forward, exchange, recompute, gather, reduce, replicas, numel, hop)
+
+
+def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: bool, last: bool) -> tuple[float, float]:
+    """(seconds, of which compute) of one action over the chunk's units."""
+    total = compute = 0.0
+    gathers = cfg.reshard_after_forward or (first and op == FORWARD)
+    reduces = op == BACKWARD and (last or cfg.grad_reduce == "per_microbatch")
+    for kind in kinds:
+        work = {"block": c.block_forward, "head": c.head_forward, "embedding": 0.0}[kind]
+        exchange = c.exchange if kind == "block" else 0.0
+        if op == BACKWARD:
+            work = 2 * work + (c.recompute if kind == "block" else 0.0)
+        comm = (c.gather[kind] if gathers else 0.0) + (c.reduce[kind] if reduces else 0.0)
+        comm += c.replicas[kind] if reduces and last else 0.0
+        total += max(work + exchange, comm)
+        compute += work
+    return total, compute
+
+
+def compute_lower_bound(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> float:
+    """Seconds no step of the layout can beat: the busiest rank's compute alone."""
+    c = _costs(cfg, dims, device, dtype_bytes)
+    work = {"block": 3 * c.block_forward + c.recompute, "head": 3 * c.head_forward, "embedding": 0.0}
+    return cfg.num_microbatches * max(sum(work[kind] for chunk in rank_kinds(cfg, r) for kind in chunk)
+                                      for r in range(dims.pp))
+
+
+def rank_kinds(cfg: TrainConfig, pp_rank: int) -> list[list[str]]:
+    """The kinds of a rank's units, chunk by chunk, in forward order."""
+    return [["embedding"] * ch.embedding + ["block"] * ch.blocks + ["head"] * ch.head for ch in rank_chunks(cfg, pp_rank)]
+
+
+def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> StepTime:
+    c = _costs(cfg, dims, device, dtype_bytes)
+    pp, vpp, microbatches = dims.pp, cfg.virtual_pipeline_stages, cfg.num_microbatches
+    simulated = _simulated_microbatches(microbatches, pp)
+    kinds = {r: rank_kinds(cfg, r) for r in range(pp)}
+    computing: dict[Action, float] = {}
+
+    def cost(a: Action) -> float:
+        if not a.is_compute:
+            return c.hop
+        seconds, work = _unit_times(c, kinds[a.rank][a.chunk], a.op, cfg, a.microbatch == 0,
+                                    a.microbatch == simulated - 1)
+        computing[a] = work
+        return seconds
+
+    timeline = simulate(pipeline_actions(cfg.pipeline_schedule, pp, vpp, simulated), pp, vpp, cost,
+                        sends_block=False, backend="nccl")
+    # Past the simulated microbatches every rank repeats its steady forward and backward.
+    steady = {r: sum(_unit_times(c, k, op, cfg, False, False)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
+              for r in range(pp)}
+    extra = microbatches - simulated
+    makespan = timeline.makespan + extra * max(steady.values())
+    slowest = max(range(pp), key=lambda r: timeline.busy(r) + extra * steady[r])
+    busy = timeline.busy(slowest) + extra * steady[slowest]
+    compute = sum(w for a, w in computing.items() if a.rank == slowest) * microbatches / simulated
+    exchange = 2 * c.exchange * microbatches * sum(k.count("block") for k in kinds[slowest])
+    shard_elements = sum(c.numel[kind] for chunk in kinds[slowest] for kind in chunk) / (dims.dp_shard * dims.cp)
+    optimizer = shard_elements * 28 / (device.hbm_gbps * 1e9)  # Adam reads parameter, gradient, moments; writes 3
+    drain = c.reduce["block"] + c.replicas["block"]
+    step = makespan + optimizer + drain
+    tokens = cfg.batch_size * dims.dp * cfg.seq_len
+    flops = training_flops_per_token(cfg.model, cfg.seq_len) * tokens
+    peak = device.flops(dtype_bytes)  # MFU against the compute dtype's peak, fp8 GEMMs or not
+    parts = {"compute": compute, "pipeline bubble": max(0.0, makespan - busy),
+             "FSDP communication": max(0.0, busy - compute - exchange), "TP/CP communication": exchange,
+             "optimizer": optimizer + drain}
+    bound = "compute" if compute >= 0.5 * step else max((k for k in parts if k != "compute"), key=parts.get)
+    return StepTime(step, tokens / step / dims.world_size, flops / (step * dims.world_size * peak), bound, parts)
+
+
+def _simulated_microbatches(microbatches: int, pp: int) -> int:
+    """Enough microbatches for every rank to reach its steady state (1F1B's warm-up is under pp)."""
+    return min(microbatches, 2 * pp)
