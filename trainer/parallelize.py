@@ -17,6 +17,7 @@ from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.layers import chunk_layers
 from parallel.pipeline.schedule import schedule_actions
+from parallel.regional_compile import compile_forward
 from parallel.tensor_parallel import TPContext
 from trainer.config.schema import TrainConfig
 
@@ -66,12 +67,18 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
         ]
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str, compile_blocks: bool = False) -> None:
+    """Activation checkpointing (model.layer_ckpt) and regional compilation (compile) of each block. A
+    selective checkpoint (the attention core) is traced into the block's graph; a full one wraps the
+    compiled block, so its recompute runs the same compiled graph, and the collectives that run eagerly
+    inside the block (TP/SP) are no obstacle to compiling the rest."""
     for block in model.layers.values():
+        if mode == "selective":
+            checkpoint_forward(block.attention.core)
+        if compile_blocks:
+            compile_forward(block)
         if mode == "full":
             checkpoint_forward(block)
-        elif mode == "selective":
-            checkpoint_forward(block.attention.core)
 
 
 def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
@@ -101,10 +108,10 @@ def tied_embedding(model: Transformer) -> dict:
 def parallelize(
     model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
 ) -> FSDPRoot:
-    """Activation checkpointing, then FSDP over the TP-local parameters of a model built on the meta
+    """Activation checkpointing and compilation, then FSDP over the TP-local parameters of a model built on the meta
     device: each rank draws the (layout-independent) initial values of its own shard of each unit
     only, so building never holds a whole unsharded unit, let alone the model."""
-    apply_activation_checkpointing(model, cfg.model.layer_ckpt)
+    apply_activation_checkpointing(model, cfg.model.layer_ckpt, cfg.compile)
 
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,

@@ -24,6 +24,7 @@ from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm, sum_tied_grads, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
+from parallel.regional_compile import reset_compilation
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config.schema import TrainConfig
 from trainer.data.loader import BatchLoader
@@ -66,6 +67,8 @@ class StepRunner:
               eval_loader: BatchLoader | None = None) -> "StepRunner":
         """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
         dtype = compute_dtype(cfg, device)
+        if cfg.compile:
+            reset_compilation()  # compiled graphs and counts belong to the model built here
         chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh),
                               block_factory(cfg, mesh))
         roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]

@@ -336,6 +336,9 @@ def _check_te_combinations(cfg: TrainConfig) -> None:
     if m.use_fp8 and not m.fp8_wgrad:
         raise ConfigError("model.fp8_wgrad=false with model.use_te_layers=true is not supported: TransformerEngine 2.x "
                           "computes every weight gradient of its fp8 GEMMs in fp8 (the in-tree fp8 offers it)")
+    if cfg.compile:
+        raise ConfigError("compile=true with model.use_te_layers=true is not supported: TransformerEngine's modules "
+                          "(their autocast and fp8 state) do not trace under torch.compile (use the in-tree blocks)")
     if m.use_fp8 and m.layer_ckpt == "full":
         raise ConfigError("model.layer_ckpt=full with model.use_te_layers=true model.use_fp8=true is not supported: "
                           "the recompute would run TE's fp8 modules outside TE's autocast (use layer_ckpt=selective)")

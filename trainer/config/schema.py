@@ -134,6 +134,7 @@ class TrainConfig:
     mem_snapshot_stop_step: int | None = None
     stop_signal: str | None = None
     nan_policy: str = "halt"
+    compile: bool = False  # regional torch.compile of each transformer block (parallel/regional_compile.py)
     comm_timeout_s: float = 600.0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

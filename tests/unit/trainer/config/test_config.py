@@ -260,6 +260,7 @@ def test_te_layers_without_cuda_say_how_to_get_them():
     (["model.use_fp8=true", "model.layer_ckpt=full"], "model.layer_ckpt=full with model.use_te_layers=true"),
     (["model.use_fp8=true", "nan_policy=skip"], "nan_policy=skip with model.use_te_layers=true"),
     (["model.use_fp8=true", "model.fp8_wgrad=false"], "model.fp8_wgrad=false with model.use_te_layers=true"),
+    (["compile=true"], "compile=true with model.use_te_layers=true is not supported"),
 ])
 def test_te_layers_refuse_what_they_cannot_combine_with_on_any_machine(overrides, message):
     with pytest.raises(ConfigError) as err:
