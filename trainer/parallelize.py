@@ -7,6 +7,7 @@ order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces ov
 
 import torch
 
+from model.attention_kernels import check_attention_kernel
 from model.init import ModelInitializer
 from model.te import TEBlocks
 from model.transformer import TIED_COPY, TIED_WEIGHT, BlockFactory, OutputHead, Transformer
@@ -28,6 +29,15 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     name = cfg.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
     return DTYPES[name]
+
+
+def check_attention_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
+    """A pinned model.efficient_attn kernel this device lacks for the run's dtype and (per TP rank) head
+    shapes is one line before anything is built (under CP the attention is CP's own: not checked)."""
+    if mesh.dims.cp == 1:
+        m, tp = cfg.model, mesh.dims.tp
+        check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
+                               m.attn_bias_type == "block_causal")
 
 
 def model_unit_names(n_layers: int) -> list[str]:

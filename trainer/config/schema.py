@@ -174,7 +174,7 @@ ENUMS = {
     "compute_dtype": (None, "bf16", "fp32"),
     "reduce_dtype": ("bf16", "fp32"),
     "model.layer_ckpt": ("none", "full", "selective"),
-    "model.efficient_attn": ("sdpa", "math"),
+    "model.efficient_attn": ("sdpa", "flash", "cutlass", "cudnn", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
     "nan_policy": ("halt", "skip"),
     "optim.decay_style": ("cosine", "linear"),
