@@ -20,6 +20,7 @@ from parallel.pipeline.layers import chunk_layers
 from parallel.pipeline.schedule import schedule_actions
 from parallel.regional_compile import compile_forward
 from parallel.tensor_parallel import TPContext
+from trainer.config.fp8_rules import check_fp8_device
 from trainer.config.schema import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -31,9 +32,11 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_attention_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
-    """A pinned model.efficient_attn kernel this device lacks for the run's dtype and (per TP rank) head
-    shapes is one line before anything is built (under CP the attention is CP's own: not checked)."""
+def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
+    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and a
+    pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP the
+    attention is CP's own: not checked)."""
+    check_fp8_device(cfg, device)
     if mesh.dims.cp == 1:
         m, tp = cfg.model, mesh.dims.tp
         check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,

@@ -31,7 +31,7 @@ from trainer.data.loader import BatchLoader
 from trainer.observability.flops import device_peak_flops, training_flops_per_token
 from trainer.observability.metrics import StepMetrics, peak_memory_gib, start_memory_peak
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
-from trainer.parallelize import (block_factory, build_chunks, build_runtime, check_attention_kernels, compute_dtype,
+from trainer.parallelize import (block_factory, build_chunks, build_runtime, check_device_kernels, compute_dtype,
                                  cp_context, model_unit_names, parallelize, tp_context)
 from trainer.resilience.nonfinite import first_nonfinite_unit, halt_message
 
@@ -67,7 +67,7 @@ class StepRunner:
               eval_loader: BatchLoader | None = None) -> "StepRunner":
         """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
         dtype = compute_dtype(cfg, device)
-        check_attention_kernels(cfg, mesh, device, dtype)
+        check_device_kernels(cfg, mesh, device, dtype)
         if cfg.compile:
             reset_compilation()  # compiled graphs and counts belong to the model built here
         chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh),

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from parallel.regional_compile import STATS
-from tests.distributed.pipeline_cases import config, make_trainer, reference_of
+from tests.distributed.pipeline_cases import config, make_trainer
 from tests.distributed.spawn import run_ranks
 from trainer.determinism import enable_deterministic
 

@@ -19,6 +19,7 @@ from parallel.pipeline.schedule import pipeline_actions
 from trainer.checkpoint.fingerprint import ALLOWABLE
 from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
+from trainer.config.fp8_rules import check_te_sequence_parallel
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 
@@ -255,6 +256,7 @@ def _check_fp8(cfg: TrainConfig) -> None:
         _check_transformer_engine(cfg)
     if not m.use_fp8:
         return  # the fp8 keys need it: _NEEDS
+    check_te_sequence_parallel(cfg)
     for what, size in fp8_gemm_sizes(cfg):
         if size % GEMM_MULTIPLE:
             raise ConfigError(
