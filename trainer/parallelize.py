@@ -34,10 +34,10 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
     """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and a
-    pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP the
-    attention is CP's own: not checked)."""
+    pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP on CPU
+    every fused name runs CPU's flash kernel: nothing to check)."""
     check_fp8_device(cfg, device)
-    if mesh.dims.cp == 1:
+    if mesh.dims.cp == 1 or device.type != "cpu":
         m, tp = cfg.model, mesh.dims.tp
         check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
                                m.attn_bias_type == "block_causal")
@@ -100,7 +100,7 @@ def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
 
 
 def cp_context(cfg: TrainConfig, mesh: ParallelMesh) -> CPContext:
-    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm)
+    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm, cfg.model.efficient_attn)
 
 
 def tied_embedding(model: Transformer) -> dict:

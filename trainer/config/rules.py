@@ -298,7 +298,6 @@ _LAYOUT_NOOPS = (
     ("reshard_after_forward", "more than one rank per FSDP shard group", lambda c, d: d.dp_shard * d.cp > 1),
     ("model.sequence_parallel", "model_parallel_size > 1", lambda c, d: d.tp > 1),
     ("context_parallel_comm", "context_parallel_size > 1", lambda c, d: d.cp > 1),
-    ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)", lambda c, d: d.cp == 1),
 )
 
 
