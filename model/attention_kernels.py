@@ -57,7 +57,8 @@ def check_attention_kernel(name: str, device: torch.device, dtype: torch.dtype, 
             pinned_attention(q, k, v, name, mask).sum().backward()
     except RuntimeError:
         where = device.type if device.type == "cpu" else f"{torch.cuda.get_device_name(device)}, {device}"
+        mask = " and a block_causal mask" if masked else ""
         raise ConfigError(
             f"model.efficient_attn={name}: this device ({where}) has no {name} attention kernel for "
-            f"{str(dtype).removeprefix('torch.')} with head_dim {head_dim}{' and a block_causal mask' if masked else ''}; "
-            f"use sdpa (torch picks a kernel) or math") from None
+            f"{str(dtype).removeprefix('torch.')} with head_dim {head_dim}{mask}; use sdpa (torch picks a kernel) "
+            f"or math") from None

@@ -35,12 +35,13 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
     """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and a
     pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP on CPU
-    every fused name runs CPU's flash kernel: nothing to check)."""
+    every fused name runs CPU's flash kernel: nothing to check; on CUDA a CP chunk pair with a document
+    mask runs the memory-efficient kernel whatever the name, so the named one runs unmasked)."""
     check_fp8_device(cfg, device)
     if mesh.dims.cp == 1 or device.type != "cpu":
         m, tp = cfg.model, mesh.dims.tp
         check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
-                               m.attn_bias_type == "block_causal")
+                               m.attn_bias_type == "block_causal" and mesh.dims.cp == 1)
 
 
 def model_unit_names(n_layers: int) -> list[str]:
@@ -100,7 +101,8 @@ def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
 
 
 def cp_context(cfg: TrainConfig, mesh: ParallelMesh) -> CPContext:
-    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm, cfg.model.efficient_attn)
+    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm,
+                     cfg.model.efficient_attn)
 
 
 def tied_embedding(model: Transformer) -> dict:
@@ -121,8 +123,8 @@ def tied_embedding(model: Transformer) -> dict:
 def parallelize(
     model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
 ) -> FSDPRoot:
-    """Activation checkpointing and compilation, then FSDP over the TP-local parameters of a model built on the meta
-    device: each rank draws the (layout-independent) initial values of its own shard of each unit
+    """Activation checkpointing and compilation, then FSDP over the TP-local parameters of a model built on
+    the meta device: each rank draws the (layout-independent) initial values of its own shard of each unit
     only, so building never holds a whole unsharded unit, let alone the model."""
     apply_activation_checkpointing(model, cfg.model.layer_ckpt, cfg.compile)
 

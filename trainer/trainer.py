@@ -21,9 +21,9 @@ from parallel import comm
 from parallel.fsdp import tied_copies_equal
 from parallel.launch_env import LaunchEnv
 from parallel.mesh import ParallelMesh
-from parallel.regional_compile import STATS as COMPILE_STATS
 from parallel.pipeline.summary import schedule_summary
 from parallel.random import RNGStreams
+from parallel.regional_compile import STATS as COMPILE_STATS
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import ExtraFiles, prune_checkpoints, save_checkpoint
 from trainer.checkpoint.fingerprint import config_fingerprint, run_fingerprint, write_fingerprint

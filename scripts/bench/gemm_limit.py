@@ -2,6 +2,7 @@
 throughput of every block linear's forward product and both backward products (input and weight
 gradients) at the step's token count, FLOP-weighted (total FLOPs over total time). A step can go no
 faster than its GEMMs alone: model FLOPs / step time / this limit is the share of it a step reaches.
+(Counted per block: the output head's GEMM is in the model FLOPs, at the same throughput.)
 """
 
 import time
@@ -19,19 +20,21 @@ def block_gemm_shapes(args: ModelArgs, tokens: int) -> list[tuple[int, int, int]
             for shape in ((tokens, d_in, d_out), (tokens, d_out, d_in), (d_out, tokens, d_in))]
 
 
-def gemm_limit_flops(args: ModelArgs, tokens: int, repeats: int = 5) -> float:
-    """FLOP-weighted fp32 GEMM throughput (FLOP/s) at the step's block GEMM shapes: the median of
-    `repeats` passes over all of them, each GEMM timed on its own after a warm-up call."""
-    shapes = block_gemm_shapes(args, tokens)
-    gen = torch.Generator().manual_seed(0)
-    operands = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)) for m, k, n in shapes]
-    flops = sum(2.0 * m * k * n for m, k, n in shapes)
-    passes = []
-    for _ in range(repeats + 1):  # the first pass warms up
+class GemmPass:
+    """One timed pass over every block GEMM of a step (fp32), to run in turn with the steps it bounds, so
+    the same machine noise hits both: FLOPs / a pass's seconds is the limit at that moment."""
+
+    def __init__(self, args: ModelArgs, tokens: int):
+        shapes = block_gemm_shapes(args, tokens)
+        gen = torch.Generator().manual_seed(0)
+        self.operands = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)) for m, k, n in shapes]
+        self.flops = sum(2.0 * m * k * n for m, k, n in shapes)
+
+    def __call__(self) -> float:
+        """Seconds of one pass: each GEMM timed on its own."""
         seconds = 0.0
-        for a, b in operands:
+        for a, b in self.operands:
             start = time.perf_counter()
             torch.mm(a, b)
             seconds += time.perf_counter() - start
-        passes.append(seconds)
-    return flops / sorted(passes[1:])[len(passes[1:]) // 2]
+        return seconds

@@ -7,7 +7,8 @@ fp32 on CPU. A step is forward + cross-entropy + backward + AdamW. The models ta
 ratios. The step-1 losses must agree: same weights, same math (compiled: within 1e-5).
 
 The limit row is this process's fp32 GEMM throughput at the step's own block GEMM shapes
-(gemm_limit.py); every row also reads as a share of it: model FLOPs / step time / limit.
+(gemm_limit.py), a pass of them timed in turn with the steps; every row also reads as a share of it:
+model FLOPs / step time / limit (the median of per-step shares).
 
     python scripts/bench/step.py [--model tiny|small] [--batch 4] [--seq 256] [--threads 2] [--quick]
 """
@@ -36,7 +37,7 @@ from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.regional_compile import STATS, compile_forward  # noqa: E402
 from scripts.bench.agreement import require_agreement  # noqa: E402
-from scripts.bench.gemm_limit import gemm_limit_flops  # noqa: E402
+from scripts.bench.gemm_limit import GemmPass  # noqa: E402
 from scripts.export_hf import hf_config, to_hf  # noqa: E402
 from trainer.config.schema import from_dict  # noqa: E402
 from trainer.data.tokenizer_spm import BOS_ID, EOS_ID  # noqa: E402
@@ -80,17 +81,21 @@ def make_step(model: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor
     return step
 
 
+LIMIT = "limit: fp32 GEMMs at the step's block GEMM shapes"
+
+
 def run(args: ModelArgs, batch: int, warmup: int, steps: int, seed: int) -> dict:
     models = build_models(args, seed)
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, args.vocab_size, (batch, args.max_seq_len + 1), generator=gen)
     tokens, targets = data[:, :-1], data[:, 1:]
+    gemms = GemmPass(args, batch * args.max_seq_len)
     steppers = {name: make_step(m, (lambda t, m=m: m(input_ids=t).logits) if name == "HF" else m)
-                for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
+                for name, m in models.items()} | {LIMIT: lambda tokens, targets: (0.0, gemms())}
+    times: dict[str, list[float]] = {name: [] for name in steppers}
     first_losses: dict[str, float] = {}
     for i in range(warmup + steps):
-        names = list(models)
+        names = list(steppers)
         for name in names[i % len(names):] + names[: i % len(names)]:
             loss, seconds = steppers[name](tokens, targets)
             first_losses.setdefault(name, loss)
@@ -98,22 +103,25 @@ def run(args: ModelArgs, batch: int, warmup: int, steps: int, seed: int) -> dict
                 compile_seconds = seconds
             if i >= warmup:
                 times[name].append(seconds)
-    limit = gemm_limit_flops(args, batch * args.max_seq_len)
-    return {"times": times, "losses": first_losses, "limit": limit, "compile_s": compile_seconds}
+    del first_losses[LIMIT]
+    return {"times": times, "losses": first_losses, "limit_flops": gemms.flops, "compile_s": compile_seconds}
 
 
 def table(name: str, args: ModelArgs, tokens_per_step: int, result: dict) -> str:
-    times, limit = result["times"], result["limit"]
+    times = result["times"]
     step_flops = training_flops_per_token(args, args.max_seq_len) * tokens_per_step
+    # A step's time at the limit, per step (the pass measured in the same turn): step FLOPs / limit.
+    at_limit = [step_flops / (result["limit_flops"] / t) for t in times[LIMIT]]
     rows = ["| model | row | tokens/s | step time / ours eager (median) | model GFLOP/s | share of the limit |",
             "|---|---|---:|---:|---:|---:|"]
     for row, seconds in times.items():
+        if row == LIMIT:
+            seconds = at_limit
         median = statistics.median(seconds)
         ratio = statistics.median(t / o for t, o in zip(seconds, times["ours"]))
-        rows.append(f"| {name} | {row} | {tokens_per_step / median:,.0f} | {ratio:.3f} | {step_flops / median / 1e9:.1f} "
-                    f"| {step_flops / median / limit:.2f} |")
-    rows.append(f"| {name} | limit: fp32 GEMMs at the step's block GEMM shapes | {limit / step_flops * tokens_per_step:,.0f} "
-                f"| {step_flops / limit / statistics.median(times['ours']):.3f} | {limit / 1e9:.1f} | 1.00 |")
+        share = statistics.median(limit / t for t, limit in zip(seconds, at_limit))
+        rows.append(f"| {name} | {row} | {tokens_per_step / median:,.0f} | {ratio:.3f} "
+                    f"| {step_flops / median / 1e9:.1f} | {share:.2f} |")
     return "\n".join(rows)
 
 

@@ -26,9 +26,8 @@ def test_step_bench_runs_ours_eager_compiled_and_hf_to_the_same_loss_and_its_lim
     assert "agree within" in step.require_agreement("losses", abs(losses["ours"] - losses["HF"]) / abs(losses["HF"]),
                                                     rtol=1e-6)
     rows = step.table("tiny", args, 2 * 32, result).splitlines()[2:]
-    assert [row.split(" | ")[1] for row in rows] == [
-        "ours", "ours compile=true", "HF", "limit: fp32 GEMMs at the step's block GEMM shapes"]
-    assert rows[-1].endswith("| 1.00 |") and result["limit"] > 0
+    assert [row.split(" | ")[1] for row in rows] == ["ours", "ours compile=true", "HF", step.LIMIT]
+    assert rows[-1].endswith("| 1.00 |") and result["limit_flops"] > 0
 
 
 def test_the_limit_counts_every_block_gemm_of_a_step_once() -> None:

@@ -4,8 +4,8 @@ It has the constructor arguments and the contracts model/te.py relies on: column
 linears whose sequence parallelism gathers and scatters along dim 0, RMSNorm fused into
 LayerNormLinear, `fuse_wgrad_accumulation` writing the weight gradient into `weight.main_grad`
 (overwriting it on the first microbatch, adding otherwise) and returning none, `is_first_microbatch`
-in forward (which reads `weight.main_grad` at forward, as TE 2.0 does: the tensor it writes in backward is
-the one bound then), and an autocast region with a recipe and an amax reduction group, under TE's name
+in forward (which reads `weight.main_grad` at forward, as TE 2.0 does: the tensor it writes in
+backward is the one bound then), and an autocast region with a recipe and an amax reduction group, under TE's name
 of the installed version: `fp8_autocast(fp8_recipe=, fp8_group=)` in 2.0-2.8, `autocast(recipe=,
 amax_reduction_group=)` from 2.9 on (where `fp8_autocast` remains, deprecated). Set the stand-in's
 `transformer_engine.__version__` to pick a release.
@@ -18,8 +18,8 @@ Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
 under HYBRID) and their amaxes recorded. As in TE, the outermost enabled region's exit reduces the
 forward amaxes in one all-reduce (max) over the amax group and updates scales and histories as
 DelayedScaling does (a zero or non-finite amax keeps the old scale, an overflowing one is clamped to
-fp32's largest value, as TE's default scale computation does), and the backward of the region's first fp8 module (its last backward) does the same
-for the backward amaxes. So the losses depend on that state, as TE's do. It checks our wiring, not
+fp32's largest value, as TE's default scale computation does), and the backward of the region's first
+fp8 module (its last backward) does the same for the backward amaxes. So the losses depend on that state, as TE's do. It checks our wiring, not
 TransformerEngine (the GPU tests do that).
 """
 

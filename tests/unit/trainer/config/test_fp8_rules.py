@@ -33,7 +33,8 @@ def test_te_sequence_parallel_local_rows_must_divide_by_8(te_on_cuda):
         validate(load(*TE_SP, "seq_len=48"), world_size=4)
     message = str(err.value)
     assert "TransformerEngine's sequence-parallel LayerNormLinear" in message and "\n" not in message
-    assert "microbatch_size x seq_len / context_parallel_size / model_parallel_size = 12 is not a multiple of 8" in message
+    rows = "microbatch_size x seq_len / context_parallel_size / model_parallel_size"
+    assert f"{rows} = 12 is not a multiple of 8" in message
     validate(load(*TE_SP, "seq_len=64"), world_size=4)  # 16 local rows
     validate(load(*TE_SP[:4], "seq_len=48"), world_size=4)  # without SP TE sees all 48 rows
     validate(load(*TE_SP[1:], "seq_len=48"),
