@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs, RopeScaling
+from model.attention_kernels import PINNED, pinned_attention
 from model.fp8 import Fp8Gemm
 from parallel.context_parallel import CPContext, context_parallel_attention
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
@@ -89,7 +90,9 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads. `mask`
-    (block_causal_mask) replaces the plain causal mask."""
+    (block_causal_mask) replaces the plain causal mask. `impl`: model.efficient_attn (attention_kernels.py)."""
+    if impl in PINNED:
+        return pinned_attention(q, k, v, impl, mask)
     if impl == "sdpa" and mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from parallel import comm, weight_grads
+from parallel.regional_compile import eager_region
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -175,7 +176,10 @@ class Fp8Gemm(nn.Module):
         self._weight_cast: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
 
+    @eager_region
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Eager under compile=true: the host-side state (the first microbatch's cast, activation_scales_set)
+        # changes between microbatches and steps and would recompile the block.
         return _Fp8Linear.apply(x, weight, self, self._fp8_weight(weight))
 
     def _apply(self, fn, recurse: bool = True) -> "Fp8Gemm":

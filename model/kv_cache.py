@@ -43,7 +43,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     cos, sin = model.rope(torch.arange(start, start + new, device=h.device), h.dtype)
     # Query i is token start + i: it sees every cached key and the new ones up to itself.
     mask = torch.ones(new, start + new, dtype=torch.bool, device=h.device).tril(start)
-    impl = model.args.efficient_attn
+    # The cache's mask rules out flash; decoding is short: torch picks, unless the reference is asked for.
+    impl = "math" if model.args.efficient_attn == "math" else "sdpa"
     for name, block in model.layers.items():
         h = h + _attend(block.attention, block.attention_norm(h), cos, sin, cache, name, mask, impl)
         h = h + block.feed_forward(block.ffn_norm(h))

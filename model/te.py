@@ -46,10 +46,22 @@ def _te():
     return te
 
 
+AUTOCAST_SINCE = (2, 9)  # TE 2.9 renamed fp8_autocast to autocast (the old name remains, deprecated)
+
+
+def te_version() -> tuple[int, int]:
+    """The installed TransformerEngine's (major, minor)."""
+    import transformer_engine
+
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0)
+                    for part in (transformer_engine.__version__.split(".") + ["0"])[:2])
+    return major, minor
+
+
 def _autocast(enabled: bool, recipe: object | None, group: ProcessGroup | None) -> AbstractContextManager:
-    """TE's autocast under its current name (`autocast`) or its older one (`fp8_autocast`)."""
+    """TE's autocast under the installed version's name: `autocast` from 2.9 on, `fp8_autocast` before."""
     te = _te()
-    if hasattr(te, "autocast"):
+    if te_version() >= AUTOCAST_SINCE:
         return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
     return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
 

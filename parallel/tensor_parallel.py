@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from parallel import comm, weight_grads
+from parallel.regional_compile import eager_region
 
 SEQ_DIM = 1
 
@@ -89,18 +90,22 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
+@eager_region
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, group) if group.size() > 1 else x
 
 
+@eager_region
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group) if group.size() > 1 else x
 
 
+@eager_region
 def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _GatherFromSP.apply(x, group) if group.size() > 1 else x
 
 
+@eager_region
 def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ScatterToSP.apply(x, group) if group.size() > 1 else x
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA machine (no network needed), in one go, within 8 minutes on one GPU:
-#   1. the GPU-marked tests (tests/gpu: CUDA fp8 GEMMs, allocator snapshots, TransformerEngine blocks
-#      against the in-tree block where TE is importable);
-#   2. model=small for 20 steps in bf16, in-tree fp8 and (where TransformerEngine is importable) TE fp8:
-#      a table of their losses side by side, then each run's median TFLOP/s and MFU.
+#   1. the GPU-marked tests (tests/gpu: CUDA fp8 GEMMs, allocator snapshots, context parallelism's chunk-pair
+#      kernels against the plain formula, TransformerEngine blocks against the in-tree block where TE is
+#      importable);
+#   2. model=small for 20 steps in bf16, bf16 with compile=true, in-tree fp8, fp8 with the fp8 all-gather
+#      and (where TransformerEngine is importable) TE fp8: a table of their losses side by side, then one
+#      table of each run's median TFLOP/s, MFU, step time and step time against bf16 (compile vs eager),
+#      with a row per CP kernel and dtype saying how many of its GPU tests passed.
 #
 #   bash scripts/gpu_check.sh [--require-te] [OUT_DIR]
 #
 # Exit code 1 on any failure, without a CUDA device or the project's Python packages, and, with
-# --require-te, without TransformerEngine. The time limits below add up to 7.5 minutes, the import
+# --require-te, without TransformerEngine. The time limits below add up to 7.9 minutes, the import
 # checks before them to seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,30 +45,33 @@ if [ "$HAS_TE" = 0 ]; then
 fi
 mkdir -p "$OUT"
 status=0
-timeout 240 "$PY" -m pytest -q -m gpu tests/gpu || status=1
+timeout 180 "$PY" -m pytest -q -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml" || status=1
 
-runs=(bf16 fp8)
-train() {  # name, overrides...
-  local name=$1; shift
+runs=(bf16 compile fp8 fp8_all_gather)
+train() {  # name, time limit (s), overrides...
+  local name=$1 limit=$2; shift 2
   rm -rf "${OUT:?}/$name"
-  if ! timeout 70 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train.py dump_dir="$OUT/$name" \
+  if ! timeout "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train.py dump_dir="$OUT/$name" \
       model=small seq_len=1024 batch_size=8 microbatch_size=4 steps=20 log_all_steps=true compute_dtype=bf16 \
       enable_deterministic_training=true "$@" > "$OUT/$name.log" 2>&1; then
     echo "gpu_check: $name FAILED (see $OUT/$name.log)" >&2
     status=1
   fi
 }
-train bf16
-train fp8 model.use_fp8=true
+train bf16 55
+train compile 75 compile=true
+train fp8 55 model.use_fp8=true
+train fp8_all_gather 55 model.use_fp8=true model.fp8_all_gather=true
 if [ "$HAS_TE" = 1 ]; then
   runs+=(te_fp8)
-  train te_fp8 model.use_fp8=true model.use_te_layers=true
+  train te_fp8 55 model.use_fp8=true model.use_te_layers=true
 else
   echo "TransformerEngine NOT TESTED: TE fp8 left out of the table"
 fi
 
 "$PY" - "$OUT" "${runs[@]}" <<'PY' || status=1
-import json, statistics, sys
+import json, re, statistics, sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out, runs = Path(sys.argv[1]), sys.argv[2:]
@@ -82,21 +88,30 @@ for step in steps:
         loss = next((r["loss"] for r in records[run] if r["step"] == step), None)
         cells.append("-" if loss is None else f"{loss:.4f}")
     print(f"| {step} | " + " | ".join(cells) + " |")
-print("\n| run | TFLOP/s (median, steps 3+) | MFU | step s |\n|---|---:|---:|---:|")
-medians = {}
+print("\n| run | TFLOP/s (median, steps 3+) | MFU | step s | step time / bf16 |\n|---|---:|---:|---:|---:|")
+medians, rows = {}, []
 for run in runs:
     rs = [r for r in records[run] if r["step"] >= 3]
     if not rs:
-        print(f"| {run} | - | - | - |")
+        rows.append((run, "-", "-", None))
         continue
-    tflops = statistics.median(r["tflops"] for r in rs)
     mfu = [r["mfu"] for r in rs if r["mfu"] is not None]
     medians[run] = statistics.median(r["step_time_s"] for r in rs)
-    print(f"| {run} | {tflops:.1f} | {'%.1f%%' % (100 * statistics.median(mfu)) if mfu else 'n/a'} | {medians[run]:.3f} |")
-if "bf16" in medians:
-    for run in runs[1:]:
-        if run in medians:
-            print(f"{run} step time / bf16: {medians[run] / medians['bf16']:.2f}")
+    rows.append((run, f"{statistics.median(r['tflops'] for r in rs):.1f}",
+                 f"{100 * statistics.median(mfu):.1f}%" if mfu else "n/a", medians[run]))
+for run, tflops, mfu, step in rows:
+    ratio = f"{step / medians['bf16']:.2f}" if step is not None and "bf16" in medians else "-"
+    print(f"| {run} | {tflops} | {mfu} | {'-' if step is None else f'{step:.3f}'} | {ratio} |")
+tests = out / "gpu_tests.xml"
+cp = {}
+for case in (ET.parse(tests).iter("testcase") if tests.exists() else []):
+    if "test_cp_kernels" in case.get("classname", ""):
+        kernel, dtype = re.search(r"-(\w+)-(bf16|fp32)\]", case.get("name")).groups()
+        passed = not any(child.tag in ("failure", "error", "skipped") for child in case)
+        done, total = cp.get((kernel, dtype), (0, 0))
+        cp[(kernel, dtype)] = (done + passed, total + 1)
+for (kernel, dtype), (done, total) in sorted(cp.items()):
+    print(f"| cp kernel {kernel} {dtype} vs plain formula | {done}/{total} tests passed | | | |")
 final = {run: records[run][-1]["loss"] for run in runs if records[run]}
 if len(final) != len(runs):
     sys.exit("gpu_check: a run logged nothing")

@@ -7,6 +7,7 @@ order. FSDP shards over dp_shard x cp and, with dp_replicate > 1, all-reduces ov
 
 import torch
 
+from model.attention_kernels import check_attention_kernel
 from model.init import ModelInitializer
 from model.te import TEBlocks
 from model.transformer import TIED_COPY, TIED_WEIGHT, BlockFactory, OutputHead, Transformer
@@ -18,7 +19,9 @@ from parallel.pipeline.channels import channel_count
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.layers import chunk_layers
 from parallel.pipeline.schedule import schedule_actions
+from parallel.regional_compile import compile_forward
 from parallel.tensor_parallel import TPContext
+from trainer.config.fp8_rules import check_fp8_device
 from trainer.config.schema import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -28,6 +31,18 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     name = cfg.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
     return DTYPES[name]
+
+
+def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
+    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and a
+    pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP on CPU
+    every fused name runs CPU's flash kernel: nothing to check; on CUDA a CP chunk pair with a document
+    mask runs the memory-efficient kernel whatever the name, so the named one runs unmasked)."""
+    check_fp8_device(cfg, device)
+    if mesh.dims.cp == 1 or device.type != "cpu":
+        m, tp = cfg.model, mesh.dims.tp
+        check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
+                               m.attn_bias_type == "block_causal" and mesh.dims.cp == 1)
 
 
 def model_unit_names(n_layers: int) -> list[str]:
@@ -67,12 +82,18 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
         ]
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str, compile_blocks: bool = False) -> None:
+    """Activation checkpointing (model.layer_ckpt) and regional compilation (compile) of each block. A
+    selective checkpoint (the attention core) is traced into the block's graph; a full one wraps the
+    compiled block, so its recompute runs the same compiled graph, and the collectives that run eagerly
+    inside the block (TP/SP) are no obstacle to compiling the rest."""
     for block in model.layers.values():
+        if mode == "selective":
+            checkpoint_forward(block.attention.core)
+        if compile_blocks:
+            compile_forward(block)
         if mode == "full":
             checkpoint_forward(block)
-        elif mode == "selective":
-            checkpoint_forward(block.attention.core)
 
 
 def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
@@ -81,7 +102,8 @@ def tp_context(cfg: TrainConfig, mesh: ParallelMesh) -> TPContext:
 
 
 def cp_context(cfg: TrainConfig, mesh: ParallelMesh) -> CPContext:
-    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm)
+    return CPContext(mesh.group("cp") if mesh.dims.cp > 1 else None, cfg.context_parallel_comm,
+                     cfg.model.efficient_attn)
 
 
 def tied_embedding(model: Transformer) -> dict:
@@ -102,10 +124,10 @@ def tied_embedding(model: Transformer) -> dict:
 def parallelize(
     model: Transformer, cfg: TrainConfig, mesh: ParallelMesh, compute_dtype: torch.dtype, device: torch.device
 ) -> FSDPRoot:
-    """Activation checkpointing, then FSDP over the TP-local parameters of a model built on the meta
-    device: each rank draws the (layout-independent) initial values of its own shard of each unit
+    """Activation checkpointing and compilation, then FSDP over the TP-local parameters of a model built on
+    the meta device: each rank draws the (layout-independent) initial values of its own shard of each unit
     only, so building never holds a whole unsharded unit, let alone the model."""
-    apply_activation_checkpointing(model, cfg.model.layer_ckpt)
+    apply_activation_checkpointing(model, cfg.model.layer_ckpt, cfg.compile)
 
     fsdp_cfg = FSDPConfig(
         compute_dtype=compute_dtype,

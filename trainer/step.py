@@ -24,14 +24,15 @@ from parallel import comm
 from parallel.fsdp import FSDPRoot, grad_norm, sum_tied_grads, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
+from parallel.regional_compile import reset_compilation
 from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
 from trainer.config.schema import TrainConfig
 from trainer.data.loader import BatchLoader
 from trainer.observability.flops import device_peak_flops, training_flops_per_token
 from trainer.observability.metrics import StepMetrics, peak_memory_gib, start_memory_peak
 from trainer.optimizer import NamedAdamW, clip_grads, lr_at
-from trainer.parallelize import (block_factory, build_chunks, build_runtime, compute_dtype, cp_context,
-                                 model_unit_names, parallelize, tp_context)
+from trainer.parallelize import (block_factory, build_chunks, build_runtime, check_device_kernels, compute_dtype,
+                                 cp_context, model_unit_names, parallelize, tp_context)
 from trainer.resilience.nonfinite import first_nonfinite_unit, halt_message
 
 
@@ -66,6 +67,9 @@ class StepRunner:
               eval_loader: BatchLoader | None = None) -> "StepRunner":
         """This rank's model chunks (TP-shaped, FSDP-sharded, initialized), optimizer and pipeline program."""
         dtype = compute_dtype(cfg, device)
+        check_device_kernels(cfg, mesh, device, dtype)
+        if cfg.compile:
+            reset_compilation()  # compiled graphs and counts belong to the model built here
         chunks = build_chunks(cfg, tp_context(cfg, mesh), mesh.rank_in("pp"), cp_context(cfg, mesh),
                               block_factory(cfg, mesh))
         roots = [parallelize(chunk, cfg, mesh, dtype, device) for chunk in chunks]

@@ -23,6 +23,7 @@ from parallel.launch_env import LaunchEnv
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.summary import schedule_summary
 from parallel.random import RNGStreams
+from parallel.regional_compile import STATS as COMPILE_STATS
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import ExtraFiles, prune_checkpoints, save_checkpoint
 from trainer.checkpoint.fingerprint import config_fingerprint, run_fingerprint, write_fingerprint
@@ -127,6 +128,8 @@ class Trainer:
             for step in range(start_step + 1, cfg.steps + 1):
                 with profiler.step(step), memory.recording(step):
                     m = self.train_step(step)
+                if cfg.compile and step == start_step + 1:  # the blocks compiled during this process's first step
+                    self.log(COMPILE_STATS.summary())
                 if profiler.due(step):
                     m.profiled = True
                 memory.after_step(step)

@@ -22,8 +22,10 @@ from parallel.context_parallel.lse import (
 )
 from parallel.context_parallel.ring import ring_attention
 from parallel.context_parallel.sharding import CPContext
+from parallel.regional_compile import eager_region
 
 
+@eager_region
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext,
                                document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence: [b, heads, s/C, d] -> same.

@@ -4,10 +4,11 @@ log-sum-exp, and the merge of such partial results into the attention over all k
 A rank's queries meet the sequence's keys block by block (all-gathered or ring-rotated, see
 all_gather.py and ring.py), so each block's result is partial: blocks merge by their log-sum-exp in
 fp32. The backward of a block takes the queries' FINAL output and log-sum-exp, which makes exp(s - lse)
-that block's share of the whole softmax: blocks need no second pass. On CPU the core is torch's flash
-kernel (it returns the log-sum-exp); elsewhere the plain formula in fp32 (tests/unit/parallel/test_cp_attention.py
-holds the two together), run over blocks of query rows so that a long chunk never holds more than
-SCORES_BUDGET fp32 scores at once.
+that block's share of the whole softmax: blocks need no second pass. The core is a fused kernel that
+returns the log-sum-exp, chosen by model.efficient_attn (kernels.py: torch's CPU flash kernel on CPU,
+flash / memory-efficient / cuDNN on CUDA), or with `math` the plain formula in fp32
+(tests/unit/parallel/test_cp_attention.py holds them together), run over blocks of query rows so that a
+long chunk never holds more than SCORES_BUDGET fp32 scores at once.
 
 With document ids (block-causal attention over packed documents) a query can see no key of a block at
 all: its block result is 0 with log-sum-exp -inf, which the merge skips.
@@ -15,6 +16,7 @@ all: its block result is 0 with log-sum-exp -inf, which the merge skips.
 
 import torch
 
+from parallel.context_parallel.kernels import fused_backward, fused_forward, pair_kernel
 from parallel.context_parallel.sharding import CPContext, chunk_pair_mask, visible_pairs
 
 SEQ = 2  # of [batch, heads, seq, head_dim]
@@ -24,17 +26,16 @@ SCORES_BUDGET = 2**28
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       allowed: torch.Tensor | None = None, kernel: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) v and the rows' log-sum-exp, both fp32; k/v have q's head count; `causal`
     (q and k the same tokens): each query sees the keys up to itself. `allowed` [b, s_q, s_k] bool
     (block_causal's documents, causality included) replaces `causal`; a query with no allowed key gets
-    output 0 and log-sum-exp -inf, so merging it adds nothing. On CPU torch's flash kernel, which returns
-    the log-sum-exp; elsewhere the plain formula."""
-    if q.device.type != "cpu":
+    output 0 and log-sum-exp -inf, so merging it adds nothing. `kernel`: model.efficient_attn (kernels.py)."""
+    fused = pair_kernel(kernel, q.device, q.dtype, allowed is not None)
+    if fused == "math":
         return math_attention_with_lse(q, k, v, causal, allowed)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal and allowed is None, attn_mask=_additive(allowed, q.dtype))
-    if allowed is not None:  # the kernel gives such a row a log-sum-exp of 0 (and, today, an output of 0)
+    out, lse = fused_forward(fused, q, k, v, causal and allowed is None, _additive(allowed, q.dtype))
+    if allowed is not None:  # a kernel may give such a row a log-sum-exp of 0 (the CPU one does) and any output
         blind = ~allowed.any(-1)[:, None]
         lse = lse.masked_fill(blind, float("-inf"))
         out = out.masked_fill(blind[..., None], 0.0)  # the merge would turn anything else times 0 into NaN
@@ -54,15 +55,15 @@ def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None
+                       lse: torch.Tensor, causal: bool, allowed: torch.Tensor | None = None, kernel: str = "sdpa"
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (fp32) of one query/key block, given the FINAL output and log-sum-exp of the queries
     over all blocks: the probabilities exp(s - lse) are then this block's share of the whole softmax."""
-    if q.device.type != "cpu":
+    fused = pair_kernel(kernel, q.device, q.dtype, allowed is not None)
+    if fused == "math":
         return math_attention_backward(grad_out, q, k, v, out, lse, causal, allowed)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal and allowed is None,
-        attn_mask=_additive(allowed, q.dtype))
+    grads = fused_backward(fused, grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal and allowed is None,
+                           _additive(allowed, q.dtype))
     return tuple(g.float() for g in grads)
 
 
@@ -134,7 +135,7 @@ def attend_block(q: torch.Tensor, block: torch.Tensor, holder: int, cp: CPContex
         rows, cols, causal = slice(qa * half, (qa + 1) * half), slice(kb * half, (kb + 1) * half), q_chunk == k_chunk
         keys, values = (_expand_kv(t[:, :, cols], heads) for t in block)
         allowed = chunk_pair_mask(document_ids, q_chunk, k_chunk, half)
-        part, part_lse = attention_with_lse(q[:, :, rows], keys, values, causal, allowed)
+        part, part_lse = attention_with_lse(q[:, :, rows], keys, values, causal, allowed, cp.kernel)
         merged = torch.logaddexp(lse[:, :, rows], part_lse)
         base = merged.masked_fill(merged == float("-inf"), 0.0)  # a row no allowed key reached yet stays 0
         out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - base).unsqueeze(-1)
@@ -153,7 +154,7 @@ def attend_block_backward(q: torch.Tensor, grad_out: torch.Tensor, out: torch.Te
         keys, values = (_expand_kv(t[:, :, cols], heads) for t in block)
         dq, dk, dv = attention_backward(grad_out[:, :, rows], q[:, :, rows], keys, values, out[:, :, rows],
                                         lse[:, :, rows], q_chunk == k_chunk,
-                                        chunk_pair_mask(document_ids, q_chunk, k_chunk, half))
+                                        chunk_pair_mask(document_ids, q_chunk, k_chunk, half), cp.kernel)
         grad_q[:, :, rows] += dq
         grad_block[0][:, :, cols] += _sum_kv_groups(dk, kv_heads)
         grad_block[1][:, :, cols] += _sum_kv_groups(dv, kv_heads)

@@ -19,6 +19,7 @@ from parallel import comm
 class CPContext:
     group: ProcessGroup | None = None
     comm_mode: str = "all_gather"  # all_gather | ring
+    kernel: str = "sdpa"  # each chunk pair's attention kernel: model.efficient_attn (kernels.py)
     unmasked_pairs: int = 0  # (query, key) pairs this rank's attention computed: the load balance
 
     @property

@@ -10,7 +10,9 @@ such count of any rank, and the receivers put them back by a precomputed index.
 
 After the gathers, each consumer takes its fp8 weight (a view of the gathered bytes) for its GEMMs
 and the unit's compute-dtype buffer gets the dequantized values, so the module's parameter views
-still hold the weights (what the GEMMs use, exactly) and their gradients flow as before.
+still hold the weights (what the GEMMs use, exactly) and their gradients flow as before. On CUDA
+torch._scaled_mm reads those views in place, which needs each to start 16-byte aligned: the config
+rules make every parameter's size a multiple of 16 elements, and `fp8_weight_view` asserts it.
 """
 
 from __future__ import annotations
@@ -62,9 +64,29 @@ def shard_pieces(fp8_params: list[Fp8Param], rank: int, shard_size: int) -> list
             for p in fp8_params if (span := _overlap(p.offset, p.numel, lo, lo + shard_size))]
 
 
+ALIGNMENT = 16  # bytes: where torch._scaled_mm's operands must start
+
+
+def check_alignment(address: int, p: Fp8Param, label: str) -> None:
+    """Raise if parameter `p`'s fp8 weight would start (at `address`) off a 16-byte boundary."""
+    if address % ALIGNMENT:
+        raise AssertionError(f"FSDP unit {label}: an fp8-gathered weight of shape {tuple(p.shape)} at byte "
+                             f"{p.offset} of the gathered bytes is not {ALIGNMENT}-byte aligned (torch._scaled_mm "
+                             f"reads it in place); every parameter's size must be a multiple of {ALIGNMENT} elements")
+
+
+def fp8_weight_view(gathered: torch.Tensor, p: Fp8Param, label: str) -> torch.Tensor:
+    """Parameter `p`'s fp8 weight, a view of the gathered bytes, checked to start 16-byte aligned."""
+    view = gathered[p.offset : p.offset + p.numel].view(p.consumer.fp8_weight_dtype).view(p.shape)
+    check_alignment(view.data_ptr(), p, label)
+    return view
+
+
 class Fp8Gather:
     def __init__(self, spec: FlatParamSpec, rank: int, group: ProcessGroup, compute_dtype: torch.dtype,
                  fp8_params: list[Fp8Param], label: str, device: torch.device):
+        for p in fp8_params:  # at build: the gathered buffer is aligned, so each view starts at its offset's
+            check_alignment(p.offset, p, label)
         self.spec, self.rank, self.group, self.label = spec, rank, group, label
         self.compute_dtype, self.fp8_params = compute_dtype, fp8_params
         size = spec.shard_size
@@ -112,7 +134,7 @@ class Fp8Gather:
     def finish(self, buffer: torch.Tensor) -> None:
         """After the gathers landed: hand each consumer its fp8 weight, fill the compute buffer."""
         for p in self.fp8_params:
-            weight_fp8 = self.bytes[p.offset : p.offset + p.numel].view(p.consumer.fp8_weight_dtype).view(p.shape)
+            weight_fp8 = fp8_weight_view(self.bytes, p, self.label)
             buffer[p.offset : p.offset + p.numel].copy_(p.consumer.use_gathered_weight(weight_fp8).reshape(-1))
         buffer[self._other_dst] = self._other[self._other_src]
         self._other = None

@@ -1,9 +1,14 @@
-"""One-rank training step time of our Transformer against transformers' LlamaForCausalLM.
+"""One-rank training step time of our Transformer (eager, and with compile=true's regional compilation)
+against transformers' LlamaForCausalLM, and against a limit measured in the same run.
 
 Same dimensions, same weights (ours copied into HF through the exporter's name mapping), same batch,
-fp32 on CPU. A step is forward + cross-entropy + backward + AdamW. The two models alternate step by
-step (and which one goes first alternates too), so machine noise hits both alike; the reported ratio
-is the median of per-step ratios. The step-1 losses must agree: same weights, same math.
+fp32 on CPU. A step is forward + cross-entropy + backward + AdamW. The models take turns step by step
+(the order rotating), so machine noise hits all alike; the reported ratios are medians of per-step
+ratios. The step-1 losses must agree: same weights, same math (compiled: within 1e-5).
+
+The limit row is this process's fp32 GEMM throughput at the step's own block GEMM shapes
+(gemm_limit.py), a pass of them timed in turn with the steps; every row also reads as a share of it:
+model FLOPs / step time / limit (the median of per-step shares).
 
     python scripts/bench/step.py [--model tiny|small] [--batch 4] [--seq 256] [--threads 2] [--quick]
 """
@@ -30,10 +35,13 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.init import init_weights  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
+from parallel.regional_compile import STATS, compile_forward  # noqa: E402
 from scripts.bench.agreement import require_agreement  # noqa: E402
+from scripts.bench.gemm_limit import GemmPass  # noqa: E402
 from scripts.export_hf import hf_config, to_hf  # noqa: E402
 from trainer.config.schema import from_dict  # noqa: E402
 from trainer.data.tokenizer_spm import BOS_ID, EOS_ID  # noqa: E402
+from trainer.observability.flops import training_flops_per_token  # noqa: E402
 
 
 def model_args(name: str, seq_len: int) -> ModelArgs:
@@ -42,14 +50,19 @@ def model_args(name: str, seq_len: int) -> ModelArgs:
     return from_dict({"model": raw, "seq_len": seq_len}).model
 
 
-def build_pair(args: ModelArgs, seed: int) -> tuple[nn.Module, nn.Module]:
+def build_models(args: ModelArgs, seed: int) -> dict[str, nn.Module]:
+    """ours (eager), ours with each block's forward compiled (compile=true), and HF, all with ours' weights."""
     ours = Transformer(args)
     init_weights(ours, args, seed)
+    compiled = Transformer(args)
+    compiled.load_state_dict(ours.state_dict())
+    for block in compiled.layers.values():
+        compile_forward(block)
     # sdpa on both sides: the comparison is of the models around attention, not of attention kernels.
     config = LlamaConfig(**hf_config(args, "float32", BOS_ID, EOS_ID), attn_implementation="sdpa", use_cache=False)
     hf = LlamaForCausalLM(config)
     hf.load_state_dict({n: t.detach().clone() for n, t in to_hf(ours.state_dict(), ours.args).items()}, strict=True)
-    return ours.train(), hf.train()
+    return {"ours": ours.train(), "ours compile=true": compiled.train(), "HF": hf.train()}
 
 
 def make_step(model: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -68,39 +81,48 @@ def make_step(model: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor
     return step
 
 
+LIMIT = "limit: fp32 GEMMs at the step's block GEMM shapes"
+
+
 def run(args: ModelArgs, batch: int, warmup: int, steps: int, seed: int) -> dict:
-    ours, hf = build_pair(args, seed)
+    models = build_models(args, seed)
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, args.vocab_size, (batch, args.max_seq_len + 1), generator=gen)
     tokens, targets = data[:, :-1], data[:, 1:]
-    step_ours = make_step(ours, ours)
-    step_hf = make_step(hf, lambda t: hf(input_ids=t).logits)
-    times_ours, times_hf, first_losses = [], [], None
+    gemms = GemmPass(args, batch * args.max_seq_len)
+    steppers = {name: make_step(m, (lambda t, m=m: m(input_ids=t).logits) if name == "HF" else m)
+                for name, m in models.items()} | {LIMIT: lambda tokens, targets: (0.0, gemms())}
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    first_losses: dict[str, float] = {}
     for i in range(warmup + steps):
-        if i % 2 == 0:
-            loss_ours, t_ours = step_ours(tokens, targets)
-            loss_hf, t_hf = step_hf(tokens, targets)
-        else:
-            loss_hf, t_hf = step_hf(tokens, targets)
-            loss_ours, t_ours = step_ours(tokens, targets)
-        if i == 0:
-            first_losses = (loss_ours, loss_hf)
-        if i >= warmup:
-            times_ours.append(t_ours)
-            times_hf.append(t_hf)
-    return {"ours": times_ours, "hf": times_hf, "losses": first_losses}
+        names = list(steppers)
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            loss, seconds = steppers[name](tokens, targets)
+            first_losses.setdefault(name, loss)
+            if i == 0 and name == "ours compile=true":
+                compile_seconds = seconds
+            if i >= warmup:
+                times[name].append(seconds)
+    del first_losses[LIMIT]
+    return {"times": times, "losses": first_losses, "limit_flops": gemms.flops, "compile_s": compile_seconds}
 
 
-def table(name: str, tokens_per_step: int, result: dict) -> str:
-    tps_ours = tokens_per_step / statistics.median(result["ours"])
-    tps_hf = tokens_per_step / statistics.median(result["hf"])
-    ratio = statistics.median(o / h for o, h in zip(result["ours"], result["hf"]))
-    loss_ours, loss_hf = result["losses"]
-    return "\n".join([
-        "| model | tokens/s ours | tokens/s HF | step time ours/HF (median) | step-1 loss ours | step-1 loss abs diff |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| {name} | {tps_ours:,.0f} | {tps_hf:,.0f} | {ratio:.3f} | {loss_ours:.6f} | {abs(loss_ours - loss_hf):.2e} |",
-    ])
+def table(name: str, args: ModelArgs, tokens_per_step: int, result: dict) -> str:
+    times = result["times"]
+    step_flops = training_flops_per_token(args, args.max_seq_len) * tokens_per_step
+    # A step's time at the limit, per step (the pass measured in the same turn): step FLOPs / limit.
+    at_limit = [step_flops / (result["limit_flops"] / t) for t in times[LIMIT]]
+    rows = ["| model | row | tokens/s | step time / ours eager (median) | model GFLOP/s | share of the limit |",
+            "|---|---|---:|---:|---:|---:|"]
+    for row, seconds in times.items():
+        if row == LIMIT:
+            seconds = at_limit
+        median = statistics.median(seconds)
+        ratio = statistics.median(t / o for t, o in zip(seconds, times["ours"]))
+        share = statistics.median(limit / t for t, limit in zip(seconds, at_limit))
+        rows.append(f"| {name} | {row} | {tokens_per_step / median:,.0f} | {ratio:.3f} "
+                    f"| {step_flops / median / 1e9:.1f} | {share:.2f} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,9 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     result = run(model_args(opts.model, opts.seq), opts.batch, warmup, steps, opts.seed)
     print(f"batch {opts.batch} x seq {opts.seq}, fp32, CPU, {opts.threads} threads, {warmup} warmup + {steps} "
           f"timed steps, torch {torch.__version__}, transformers {transformers.__version__}\n")
-    print(table(opts.model, opts.batch * opts.seq, result))
-    loss_ours, loss_hf = result["losses"]
-    print("\n" + require_agreement("step-1 losses of ours and HF", abs(loss_ours - loss_hf) / abs(loss_hf), rtol=1e-6))
+    print(table(opts.model, model_args(opts.model, opts.seq), opts.batch * opts.seq, result))
+    losses = result["losses"]
+    print(f"\ncompile=true: {STATS.graphs} graph(s), compiled during step 1 ({result['compile_s']:.1f} s with it)")
+    for name, rtol in (("HF", 1e-6), ("ours compile=true", 1e-5)):
+        gap = abs(losses[name] - losses["ours"]) / abs(losses["ours"])
+        print(require_agreement(f"step-1 losses of ours and {name}", gap, rtol=rtol))
 
 
 if __name__ == "__main__":

@@ -77,9 +77,6 @@ def config_fingerprint(cfg: TrainConfig, compute_dtype: str, global_batch: int) 
     return {key: _as_json(get_key(cfg, key)) for key in keys} | decay_end | {
         "compute_dtype": compute_dtype,
         "global_batch_size": global_batch,
-        # Under CP attention is CP's own, whatever model.efficient_attn says (a no-op there, see validate).
-        "model.efficient_attn": cfg.model.efficient_attn if cfg.context_parallel_size == 1
-        else get_key(TrainConfig(), "model.efficient_attn"),
     }
 
 

@@ -5,7 +5,6 @@ the parallel layout, then capabilities that are not built yet (so a layout that 
 is reported as such, not as "not supported yet").
 """
 
-import importlib.util
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,6 +19,8 @@ from trainer.checkpoint.fingerprint import ALLOWABLE
 from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.data_sources import check_sources
+from trainer.config.fp8_rules import check_te_sequence_parallel
+from trainer.config.te_rules import check_te_combinations, check_transformer_engine
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
 from trainer.observability.wandb_run import check_wandb_installed
@@ -78,6 +79,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_resume_keys(cfg)
     _check_model(cfg)
     _check_parallel_divisibility(cfg)
+    _check_compile(cfg)
     _check_fp8(cfg)
     _check_keys_with_effect(cfg)
     check_wandb_installed(cfg)
@@ -256,10 +258,11 @@ def _check_stage_layers(cfg: TrainConfig) -> None:
 def _check_fp8(cfg: TrainConfig) -> None:
     m = cfg.model
     if m.use_te_layers:
-        _check_te_combinations(cfg)
-        _check_transformer_engine(cfg)
+        check_te_combinations(cfg)
+        check_transformer_engine(cfg)
     if not m.use_fp8:
         return  # the fp8 keys need it: _NEEDS
+    check_te_sequence_parallel(cfg)
     for what, size in fp8_gemm_sizes(cfg):
         if size % GEMM_MULTIPLE:
             raise ConfigError(
@@ -268,7 +271,6 @@ def _check_fp8(cfg: TrainConfig) -> None:
             )
 
 
-TE_MIN_MAJOR = 2  # as the te extra in pyproject.toml requires
 
 # Keys that change nothing unless another key allows it: set away from the default without it, they
 # would be silently ignored, so they are refused; a value that asks for what the config already gives is
@@ -289,6 +291,19 @@ _NEEDS = (
 )
 
 
+def _check_compile(cfg: TrainConfig) -> None:
+    """What regional compilation (parallel/regional_compile.py) cannot trace: one line at start."""
+    if not cfg.compile:
+        return
+    if cfg.model.use_te_layers:
+        raise ConfigError("compile=true with model.use_te_layers=true is not supported: TransformerEngine's modules "
+                          "(their autocast and fp8 state) do not trace under torch.compile (use the in-tree blocks)")
+    if cfg.pipeline_schedule == "zb_h1":
+        raise ConfigError("compile=true with pipeline_schedule=zb_h1 is not supported: a zero-bubble B queues its "
+                          "weight-gradient GEMMs from inside the block's backward, which a compiled graph cannot do "
+                          "(use pipeline_schedule=1f1b, or compile=false)")
+
+
 def _check_keys_with_effect(cfg: TrainConfig) -> None:
     for key, needs, has in _NEEDS:
         if get_key(cfg, key) != get_key(_DEFAULTS, key) and not has(cfg):
@@ -303,7 +318,6 @@ _LAYOUT_NOOPS = (
     ("reshard_after_forward", "more than one rank per FSDP shard group", lambda c, d: d.dp_shard * d.cp > 1),
     ("model.sequence_parallel", "model_parallel_size > 1", lambda c, d: d.tp > 1),
     ("context_parallel_comm", "context_parallel_size > 1", lambda c, d: d.cp > 1),
-    ("model.efficient_attn", "context_parallel_size=1 (CP computes its own attention)", lambda c, d: d.cp == 1),
 )
 
 
@@ -326,41 +340,6 @@ def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
         notes.append("optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a "
                      "weight decay of 0); the loss measures the model as loaded")
     return notes
-
-
-def _check_te_combinations(cfg: TrainConfig) -> None:
-    """What TransformerEngine blocks cannot be combined with (model/te.py)."""
-    m = cfg.model
-    if cfg.grad_reduce != "last_microbatch":
-        raise ConfigError("model.use_te_layers=true needs grad_reduce=last_microbatch: TE accumulates weight gradients "
-                          "into FSDP's per-step fp32 accumulator (fuse_wgrad_accumulation)")
-    if m.fp8_all_gather:
-        raise ConfigError("model.fp8_all_gather=true gathers the in-tree fp8 GEMMs' weights; with "
-                          "model.use_te_layers=true TransformerEngine casts its own (set it to false)")
-    if m.use_fp8 and cfg.nan_policy == "skip":
-        raise ConfigError("nan_policy=skip with model.use_te_layers=true model.use_fp8=true is not supported: a "
-                          "skipped step's amaxes would stay in TransformerEngine's history (use nan_policy=halt)")
-    if m.use_fp8 and not m.fp8_wgrad:
-        raise ConfigError("model.fp8_wgrad=false with model.use_te_layers=true is not supported: TransformerEngine 2.x "
-                          "computes every weight gradient of its fp8 GEMMs in fp8 (the in-tree fp8 offers it)")
-    if m.use_fp8 and m.layer_ckpt == "full":
-        raise ConfigError("model.layer_ckpt=full with model.use_te_layers=true model.use_fp8=true is not supported: "
-                          "the recompute would run TE's fp8 modules outside TE's autocast (use layer_ckpt=selective)")
-
-
-def _check_transformer_engine(cfg: TrainConfig) -> None:
-    install = "install it on a CUDA machine with: pip install -e '.[te]'"
-    if not torch.cuda.is_available():
-        raise ConfigError(f"model.use_te_layers=true needs CUDA and TransformerEngine; this machine has no CUDA "
-                          f"device (use the in-tree fp8 with model.use_te_layers=false, or {install})")
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(f"model.use_te_layers=true needs TransformerEngine, which is not installed: {install}")
-    import transformer_engine
-
-    version = getattr(transformer_engine, "__version__", "0")
-    if int(version.split(".")[0]) < TE_MIN_MAJOR:
-        raise ConfigError(f"model.use_te_layers=true needs TransformerEngine {TE_MIN_MAJOR}.0 or later (its scaling "
-                          f"state and recipe as model/te.py uses them); the installed one is {version}: {install}")
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> list[tuple[str, int]]:

@@ -146,6 +146,7 @@ class TrainConfig:
     mem_snapshot_stop_step: int | None = None
     stop_signal: str | None = None
     nan_policy: str = "halt"
+    compile: bool = False  # regional torch.compile of each transformer block (parallel/regional_compile.py)
     comm_timeout_s: float = 600.0
     dry_run: bool = False
     world_size: int | None = None
@@ -189,7 +190,7 @@ ENUMS = {
     "compute_dtype": (None, "bf16", "fp32"),
     "reduce_dtype": ("bf16", "fp32"),
     "model.layer_ckpt": ("none", "full", "selective"),
-    "model.efficient_attn": ("sdpa", "math"),
+    "model.efficient_attn": ("sdpa", "flash", "cutlass", "cudnn", "math"),
     "model.attn_bias_type": ("causal", "block_causal"),
     "nan_policy": ("halt", "skip"),
     "optim.decay_style": ("cosine", "linear"),

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "fsdp_runners", "pp", "ranks", "step", "tp",
-           "prepare_data", "tokenizer_throughput", "trainer_step")
+BENCHES = ("agreement", "checkpoint", "concat", "cp", "fp8", "fsdp", "fsdp_runners", "gemm_limit", "pp", "ranks",
+           "step", "tp", "prepare_data", "tokenizer_throughput", "trainer_step")
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -16,12 +16,31 @@ def test_every_bench_script_imports(name: str) -> None:
     importlib.import_module(f"scripts.bench.{name}")
 
 
-def test_step_bench_runs_ours_against_hf_to_the_same_loss() -> None:
+def test_step_bench_runs_ours_eager_compiled_and_hf_to_the_same_loss_and_its_limit() -> None:
     step = importlib.import_module("scripts.bench.step")
-    result = step.run(step.model_args("tiny", 32), batch=2, warmup=1, steps=1, seed=0)
-    loss_ours, loss_hf = result["losses"]
-    assert abs(loss_ours - loss_hf) <= 1e-6 * abs(loss_hf)
-    assert "agree within" in step.require_agreement("losses", abs(loss_ours - loss_hf) / abs(loss_hf), rtol=1e-6)
+    args = step.model_args("tiny", 32)
+    result = step.run(args, batch=2, warmup=1, steps=1, seed=0)
+    losses = result["losses"]
+    assert abs(losses["ours"] - losses["HF"]) <= 1e-6 * abs(losses["HF"])
+    assert abs(losses["ours compile=true"] - losses["ours"]) <= 1e-5 * abs(losses["ours"])
+    assert "agree within" in step.require_agreement("losses", abs(losses["ours"] - losses["HF"]) / abs(losses["HF"]),
+                                                    rtol=1e-6)
+    rows = step.table("tiny", args, 2 * 32, result).splitlines()[2:]
+    assert [row.split(" | ")[1] for row in rows] == ["ours", "ours compile=true", "HF", step.LIMIT]
+    assert rows[-1].endswith("| 1.00 |") and result["limit_flops"] > 0
+
+
+def test_the_limit_counts_every_block_gemm_of_a_step_once() -> None:
+    """Forward, input-gradient and weight-gradient products of each block linear: 6 x tokens x weights."""
+    from model.args import ModelArgs
+    from model.transformer import TransformerBlock
+    from parallel.tensor_parallel import TPContext
+    from scripts.bench.gemm_limit import block_gemm_shapes
+
+    args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, multiple_of=32)
+    linear_weights = sum(p.numel() for name, p in TransformerBlock(0, args, TPContext()).named_parameters()
+                         if "norm" not in name)
+    assert sum(2 * m * k * n for m, k, n in block_gemm_shapes(args, 48)) == 6 * 48 * linear_weights
 
 
 def test_tp_bench_runs_ours_and_dtensor_against_tp1_on_two_ranks(capsys) -> None:

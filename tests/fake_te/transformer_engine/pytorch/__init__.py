@@ -4,7 +4,11 @@ It has the constructor arguments and the contracts model/te.py relies on: column
 linears whose sequence parallelism gathers and scatters along dim 0, RMSNorm fused into
 LayerNormLinear, `fuse_wgrad_accumulation` writing the weight gradient into `weight.main_grad`
 (overwriting it on the first microbatch, adding otherwise) and returning none, `is_first_microbatch`
-in forward, and an autocast region with a recipe and an amax reduction group.
+in forward (which reads `weight.main_grad` at forward, as TE 2.0 does: the tensor it writes in
+backward is the one bound then), and an autocast region with a recipe and an amax reduction group, under TE's name
+of the installed version: `fp8_autocast(fp8_recipe=, fp8_group=)` in 2.0-2.8, `autocast(recipe=,
+amax_reduction_group=)` from 2.9 on (where `fp8_autocast` remains, deprecated). Set the stand-in's
+`transformer_engine.__version__` to pick a release.
 
 fp8 is modelled by TE's delayed-scaling state, not by fp8 GEMMs: inside an enabled region each linear
 keeps `fp8_meta["scaling_fwd"]` (input, weight, output) and `fp8_meta["scaling_bwd"]` (output
@@ -13,8 +17,9 @@ first fp8 forward. The weight's cast is made on the first microbatch and reused 
 Operands are quantized and dequantized with those scales (E4M3; E5M2 gradients
 under HYBRID) and their amaxes recorded. As in TE, the outermost enabled region's exit reduces the
 forward amaxes in one all-reduce (max) over the amax group and updates scales and histories as
-DelayedScaling does, and the backward of the region's first fp8 module (its last backward) does the same
-for the backward amaxes. So the losses depend on that state, as TE's do. It checks our wiring, not
+DelayedScaling does (a zero or non-finite amax keeps the old scale, an overflowing one is clamped to
+fp32's largest value, as TE's default scale computation does), and the backward of the region's first
+fp8 module (its last backward) does the same for the backward amaxes. So the losses depend on that state, as TE's do. It checks our wiring, not
 TransformerEngine (the GPU tests do that).
 """
 
@@ -23,10 +28,19 @@ import torch.distributed as dist
 from torch import nn
 
 AUTOCAST_REGIONS: list[tuple[bool, object, object]] = []  # (enabled, recipe, amax group) per region entered
+AUTOCAST_NAMES: list[str] = []  # the API each region was entered by: "autocast" or "fp8_autocast"
 FIRST_MICROBATCH_FLAGS: list[bool | None] = []  # is_first_microbatch of every linear forward
 MAIN_GRAD_WRITES: list[int] = []  # one per weight gradient written into main_grad
 AMAX_REDUCTIONS: list[int] = []  # the number of amaxes of each reduction
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+AUTOCAST_SINCE = (2, 9)  # TE 2.9 renamed fp8_autocast to autocast
+
+
+def _version() -> tuple[int, int]:
+    import transformer_engine
+
+    major, minor = transformer_engine.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 class _Region:
@@ -38,12 +52,17 @@ class _Region:
     pending_bwd: dict[int, "_ParallelLinear"] = {}
 
 
-class autocast:
+class _Autocast:
+    """TE >= 2.9's `autocast`."""
+
+    name = "autocast"
+
     def __init__(self, enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None):
         self.entry = (enabled, recipe, amax_reduction_group)
 
     def __enter__(self):
         AUTOCAST_REGIONS.append(self.entry)
+        AUTOCAST_NAMES.append(self.name)
         self.outer = (_Region.enabled, _Region.recipe, _Region.group)
         _Region.enabled, _Region.recipe, _Region.group = self.entry
         _Region.depth += 1
@@ -55,6 +74,22 @@ class autocast:
         if enabled and _Region.depth == 0 and torch.is_grad_enabled():
             _update_scaling(_Region.pending_fwd, "scaling_fwd", recipe, group)
         _Region.enabled, _Region.recipe, _Region.group = self.outer
+
+
+class fp8_autocast(_Autocast):
+    """TE 2.0-2.8's name and keywords (deprecated, still there, from 2.9 on)."""
+
+    name = "fp8_autocast"
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None):
+        super().__init__(enabled, calibrating, fp8_recipe, fp8_group)
+
+
+def __getattr__(name: str):
+    """`autocast` exists only from TE 2.9 on."""
+    if name == "autocast" and _version() >= AUTOCAST_SINCE:
+        return _Autocast
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _ScalingMeta:
@@ -76,10 +111,18 @@ class _ScalingMeta:
     def update(self, recipe) -> None:
         history = self.amax_history
         amax = history.max(dim=0).values if recipe.amax_compute_algo == "max" else history[0]
-        new_scale = _FP8_MAX[self.dtype] / amax / 2.0**recipe.margin
-        self.scale.copy_(torch.where(amax > 0, new_scale, self.scale))
+        self.scale.copy_(default_scale(amax, self.scale, _FP8_MAX[self.dtype], recipe.margin))
         history.copy_(torch.roll(history, -1, dims=0))
         history[0].zero_()
+
+
+def default_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """TE's default scale computation (DelayedScaling): fp8_max / amax / 2^margin, the old scale where the
+    amax is zero or not finite, fp32's largest value where the quotient overflows."""
+    new = fp8_max / amax / 2.0**margin
+    new = torch.where(amax > 0.0, new, scale)
+    new = torch.where(torch.isfinite(amax), new, scale)
+    return torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
 
 
 def _update_scaling(pending: dict, key: str, recipe, group) -> None:
@@ -128,18 +171,19 @@ class _Collective(torch.autograd.Function):
 
 
 class FusedWgradLinear(torch.autograd.Function):
-    """x @ weight^T. With `fuse` the weight gradient goes into weight.main_grad (overwritten on the first
-    microbatch, added otherwise) and none is returned; without it, it is returned as usual. With fp8
+    """x @ weight^T. With `main_grad` (the weight's, read by the module's forward with grad enabled, as TE
+    2.0 reads it) the weight gradient goes into it (overwritten on the first microbatch, added otherwise)
+    and none is returned; without it (None), it is returned as usual. With fp8
     (`fp8`: the module, whether it is its region's first, the region's recipe and group), operands go
     through the module's fp8 casts."""
 
     @staticmethod
-    def forward(ctx, x, weight, is_first_microbatch, fuse, fp8=None):
+    def forward(ctx, x, weight, is_first_microbatch, main_grad, fp8=None):
         w = weight
         if fp8 is not None:
             x, w = fp8[0].fp8_meta["scaling_fwd"].qdq(0, x), fp8[0].fp8_weight(weight, is_first_microbatch)
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.is_first_microbatch, ctx.fuse, ctx.fp8 = weight, is_first_microbatch, fuse, fp8
+        ctx.is_first_microbatch, ctx.main_grad, ctx.fp8 = is_first_microbatch, main_grad, fp8
         return x @ w.t()
 
     @staticmethod
@@ -153,9 +197,9 @@ class FusedWgradLinear(torch.autograd.Function):
                 _update_scaling(_Region.pending_bwd, "scaling_bwd", recipe, group)
         grad_x = grad_out @ w
         wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        if not ctx.fuse:
+        main_grad = ctx.main_grad
+        if main_grad is None:
             return grad_x, wgrad, None, None, None
-        main_grad = ctx.weight.main_grad
         main_grad.copy_(wgrad) if ctx.is_first_microbatch else main_grad.add_(wgrad)
         MAIN_GRAD_WRITES.append(1)
         return grad_x, None, None, None, None
@@ -203,7 +247,9 @@ class _ParallelLinear(nn.Module):
         if self.fp8:
             fp8 = (self, not _Region.pending_fwd, _Region.recipe, _Region.group)
             _Region.pending_fwd[id(self)] = self
-        return FusedWgradLinear.apply(x, self.weight, is_first_microbatch, self.fuse, fp8)
+        # TE 2.0 reads main_grad at forward (later releases defer it to backward): it must be bound by then.
+        main_grad = self.weight.main_grad if self.fuse and torch.is_grad_enabled() else None
+        return FusedWgradLinear.apply(x, self.weight, is_first_microbatch, main_grad, fp8)
 
 
 class LayerNormLinear(_ParallelLinear):

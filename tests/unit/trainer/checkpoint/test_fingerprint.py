@@ -214,13 +214,13 @@ def test_a_run_whose_decay_had_begun_keeps_its_decay_end(tmp_path):
         check_resumable(saved, _run_of(30, warmup_steps=10), allowed=[])
 
 
-def test_a_kernel_key_a_layout_ignores_is_not_part_of_the_run():
-    """model.efficient_attn does nothing under CP: a resume without it is the same run."""
+def test_the_attention_kernel_is_part_of_the_run_under_cp_too():
+    """model.efficient_attn picks CP's chunk-pair kernel too (math: the plain formula): another run."""
     def cp_run(**model) -> dict:
         cfg = from_dict({"model": {"name": "tiny", **model}, "context_parallel_size": 2})
         return run_fingerprint(cfg, "float32", 8, "a" * 64, DATA)
 
-    assert cp_run(efficient_attn="math") == cp_run()
+    assert cp_run(efficient_attn="math") != cp_run()
     assert _fingerprint(efficient_attn="math") != _fingerprint()
 
 

@@ -1,0 +1,95 @@
+"""Context parallelism's chunk-pair kernels (parallel/context_parallel/kernels.py), by model.efficient_attn:
+which kernel each name runs on each device, and every CP rank's attention, computed on one device block by
+block as the exchanges feed it (attend_block / attend_block_backward: both exchange modes share them),
+against attention over the whole sequence in the plain formula: outputs and dQ/dK/dV, causal with grouped
+K/V and block_causal documents. Here on CPU (torch's CPU flash kernel and the plain formula); the GPU
+tests (tests/gpu/test_cp_kernels.py) run the same comparison with CUDA's flash, memory-efficient and
+cuDNN kernels."""
+
+import pytest
+import torch
+
+from model.attention import block_causal_mask, causal_attention
+from model.attention_kernels import KERNELS
+from parallel.context_parallel.kernels import pair_kernel
+from parallel.context_parallel.lse import attend_block, attend_block_backward, empty_result
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+class SimulatedRank:
+    """What the block functions read of a CPContext, for one CP rank simulated on one device."""
+
+    def __init__(self, rank: int, size: int, kernel: str):
+        self.rank, self.size, self.kernel, self.unmasked_pairs = rank, size, kernel, 0
+
+
+def _shard(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    chunks = x.chunk(2 * size, dim=2)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=2)
+
+
+def _unshard(parts: list[torch.Tensor], size: int) -> torch.Tensor:
+    chunks = [None] * (2 * size)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * size - 1 - rank] = part.chunk(2, dim=2)
+    return torch.cat(chunks, dim=2)
+
+
+def cp_on_one_device(q, k, v, grad_out, size: int, kernel: str, document_ids=None):
+    """The output and dq, dk, dv of `size` CP ranks' attention, each rank's queries over every holder's block."""
+    outs, grad_qs = [], []
+    grad_kv = [torch.zeros((2, *_shard(k, 0, size).shape), dtype=torch.float32, device=q.device) for _ in range(size)]
+    for rank in range(size):
+        cp = SimulatedRank(rank, size, kernel)
+        q_r, grad_out_r = _shard(q, rank, size), _shard(grad_out, rank, size)
+        blocks = [torch.stack([_shard(k, h, size), _shard(v, h, size)]) for h in range(size)]
+        out, lse = empty_result(q_r)
+        for holder, block in enumerate(blocks):
+            attend_block(q_r, block, holder, cp, out, lse, document_ids)
+        grad_q = torch.zeros(q_r.shape, dtype=torch.float32, device=q.device)
+        for holder, block in enumerate(blocks):
+            attend_block_backward(q_r, grad_out_r, out, lse, block, holder, cp, grad_q, grad_kv[holder], document_ids)
+        outs.append(out)
+        grad_qs.append(grad_q)
+    return (_unshard(outs, size), _unshard(grad_qs, size), _unshard([g[0] for g in grad_kv], size),
+            _unshard([g[1] for g in grad_kv], size))
+
+
+def whole_sequence(q, k, v, grad_out, document_ids=None):
+    """The reference: the plain formula over the whole sequence, in fp32, and its gradients."""
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    mask = None if document_ids is None else block_causal_mask(document_ids)
+    out = causal_attention(q, k, v, "math", mask)
+    out.backward(grad_out.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def inputs(device: torch.device, dtype: torch.dtype, seq: int = 32, head_dim: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq, head_dim, generator=gen)
+    k, v = (torch.randn(2, 2, seq, head_dim, generator=gen) for _ in range(2))
+    grad_out = torch.randn(2, 4, seq, head_dim, generator=gen)
+    ids = torch.cumsum(torch.rand(2, seq, generator=gen) < 0.15, dim=1)
+    return [t.to(device, dtype) for t in (q, k, v, grad_out)], ids.to(device)
+
+
+def test_each_name_picks_its_kernel_on_each_device():
+    cuda = {name: pair_kernel(name, CUDA, torch.bfloat16, False) for name in KERNELS}
+    assert cuda == {"sdpa": "flash", "flash": "flash", "cutlass": "cutlass", "cudnn": "cudnn", "math": "math"}
+    assert pair_kernel("sdpa", CUDA, torch.float32, False) == "cutlass"  # flash has no fp32
+    assert pair_kernel("flash", CUDA, torch.bfloat16, True) == "cutlass"  # flash takes no mask
+    assert pair_kernel("cudnn", CUDA, torch.bfloat16, True) == "cudnn"
+    assert {name: pair_kernel(name, CPU, torch.float32, masked) for name in KERNELS for masked in (False, True)} == {
+        "sdpa": "cpu_flash", "flash": "cpu_flash", "cutlass": "cpu_flash", "cudnn": "cpu_flash", "math": "math"}
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "math"])
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("size", [2, 4])
+def test_cp_ranks_on_cpu_match_the_whole_sequence(kernel, documents, size):
+    (q, k, v, grad_out), ids = inputs(CPU, torch.float32)
+    ids = ids if documents else None
+    got = cp_on_one_device(q, k, v, grad_out, size, kernel, ids)
+    for a, b in zip(got, whole_sequence(q, k, v, grad_out, ids), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
