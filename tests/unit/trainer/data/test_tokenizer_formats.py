@@ -52,7 +52,7 @@ def test_each_format_gives_transformers_ids(folders, kind):
     theirs = auto_tokenizer(reference)
     ids = ours.encode(TEXT)
     assert ids == theirs.encode(TEXT, add_special_tokens=False)
-    assert ours.encode_batch([TEXT, "x"]) == [ids, ours.encode("x")]
+    assert ours.encode_batch([TEXT, "x"]) == ours.encode_batch([TEXT, "x"], num_threads=1) == [ids, ours.encode("x")]
     assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
     assert ours.vocab_size == len(theirs)
     assert ours.decode(ids) == TEXT and ours.adds_bos
