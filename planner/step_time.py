@@ -20,7 +20,7 @@ times; past 2 x pp microbatches the steady per-microbatch time is extrapolated. 
 from dataclasses import dataclass
 
 from parallel.mesh import ParallelDims
-from parallel.pipeline.schedule import BACKWARD, FORWARD, Action, pipeline_actions
+from parallel.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, pipeline_actions
 from parallel.pipeline.simulate import simulate
 from planner.devices import DeviceProfile
 from planner.units import rank_chunks, unit_sizes
@@ -140,10 +140,15 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     computing: dict[Action, float] = {}
 
     def cost(a: Action) -> float:
+        """A backward's weight-gradient half is W's (the simulator adds it to B in a program without W)."""
         if not a.is_compute:
             return c.hop
-        seconds, work = _unit_times(c, kinds[a.rank][a.chunk], a.op, cfg, a.microbatch == 0,
+        op = BACKWARD if a.op == WEIGHT else a.op
+        seconds, work = _unit_times(c, kinds[a.rank][a.chunk], op, cfg, a.microbatch == 0,
                                     a.microbatch == simulated - 1)
+        if op == BACKWARD:
+            weight_half = work / 2
+            seconds, work = (weight_half, weight_half) if a.op == WEIGHT else (seconds - weight_half, work - weight_half)
         computing[a] = work
         return seconds
 
