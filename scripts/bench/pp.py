@@ -2,10 +2,13 @@
 modules, plus what our FSDP units cost with nothing to shard, the measured bubble beside the simulated
 one, and the p2p bytes a rank holds. CPU gloo, pp = 2 ranks of one thread each (one core per rank).
 
-Three sides per configuration (schedule, M), built from the same weights:
+Three sides per configuration (schedule 1f1b, interleaved_1f1b or zb_h1; M), built from the same weights:
 - "ours": our PipelineRuntime driving plain chunks (the trainer's chunk modules, no FSDP units),
-  with the trainer's loss (token-loss sum over the global token count);
-- "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` over `PipelineStage`s holding plain chunks with
+  with the trainer's loss (token-loss sum over the global token count); under zb_h1 every linear
+  weight gets a gradient sink that adds into its `.grad`, so B leaves the weight-gradient GEMMs to W
+  as FSDP units' sinks do (the bench checks that W ran one per linear weight and microbatch);
+- "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble` (ZB1P, here
+  with one stage per rank: the layout of our zb_h1) over `PipelineStage`s holding plain chunks with
   the same weights, the same loss (scale_grads=False);
 - "ours + units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
   the default reshard_after_forward=true, under which each microbatch's forward and backward unshard
@@ -19,7 +22,7 @@ slowest rank's (a barrier before each step); the table gives medians, and ratios
 rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
 beside the simulator's for the same program in the runtime's mode (sends waited at the next batch,
-gloo), with each rank's measured mean forward and backward times and free p2p. Peak p2p: the most
+gloo), with each rank's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p. Peak p2p: the most
 bytes of outgoing tensors our runtime held at once on any rank.
 
     python scripts/bench/pp.py [--model small] [--seq 128] [--rounds 5] [--steps-per-round 2] [--quick]
@@ -38,17 +41,19 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+)
 
 from model.init import init_weights  # noqa: E402
-from parallel import comm  # noqa: E402
+from parallel import comm, weight_grads  # noqa: E402
 from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.channels import channel_count  # noqa: E402
 from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
-from parallel.tensor_parallel import TPContext  # noqa: E402
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
 from scripts.bench.ranks import spawn  # noqa: E402
 from trainer.config.rules import validate  # noqa: E402
@@ -58,6 +63,7 @@ from trainer.step import StepRunner, token_loss_sum  # noqa: E402
 
 PP = 2
 SIDES = ("ours", "torch", "units")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
 Grads = dict[str, torch.Tensor]
 
 
@@ -99,6 +105,23 @@ def plain_grads(chunks: list[torch.nn.Module]) -> Grads:
     return grads
 
 
+class GradSinks:
+    """Weight-gradient sinks for plain chunks: in a zero-bubble B, a linear defers its weight-gradient GEMM
+    only when its weight has a sink (FSDP units give theirs one); these add W's result into `.grad`, and
+    count the GEMMs W ran."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        self.weights = [m.weight for chunk in chunks for m in chunk.modules()
+                        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        self.calls = 0
+        for weight in self.weights:
+            weight_grads.set_sink(weight, lambda grad, weight=weight: self._add(weight, grad))
+
+    def _add(self, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        self.calls += 1
+        weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+
+
 class _NoMarks:
     """Plain modules take no microbatch marks."""
 
@@ -136,6 +159,7 @@ class Ours:
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh):
         rank, pp, vpp = dist.get_rank(), cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
         self.chunks, self.m = plain_chunks(cfg, rank), cfg.num_microbatches
+        self.sinks = GradSinks(self.chunks) if cfg.pipeline_schedule == "zb_h1" else None
         self.data = RandomTokens(self.m, cfg.seq_len, cfg.model.vocab_size)
         program = list(pipeline_actions(cfg.pipeline_schedule, pp, vpp, self.m)[rank])
         self.runtime = PipelineRuntime(program, pp, self.chunks, [_NoMarks()] * vpp, mesh.group("pp"),
@@ -150,7 +174,11 @@ class Ours:
             total[0] += mb_loss.item()
             return mb_loss / (self.m * self.data.seq)
 
+        calls = self.sinks.calls if self.sinks else 0
         self.runtime.run_step(lambda mb: tokens[mb : mb + 1, :-1], loss)
+        if self.sinks and self.sinks.calls - calls != len(self.sinks.weights) * self.m:
+            raise RuntimeError(f"zb_h1: W ran {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
+                               f"weight and microbatch ({len(self.sinks.weights)} x {self.m})")
         fresh = plain_grads(self.chunks)
         if grads is not None:
             grads.update(fresh)
@@ -168,8 +196,12 @@ class Torch:
         stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]
         global_tokens, m = cfg.num_microbatches * cfg.seq_len, cfg.num_microbatches
         loss = lambda logits, targets: token_loss_sum(logits, targets) / global_tokens  # noqa: E731
-        self.schedule = (Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False) if len(stages) == 1
-                         else ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False))
+        if cfg.pipeline_schedule == "zb_h1":  # ZB1P; with one stage per rank, ZB-H1's layout
+            self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss, scale_grads=False)
+        elif len(stages) == 1:
+            self.schedule = Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False)
 
     @staticmethod
     def _stage(cfg: TrainConfig, chunk: torch.nn.Module, index: int, num_stages: int) -> PipelineStage:
@@ -201,14 +233,14 @@ def timed(runner, step: int) -> float:
 
 def measured_bubble(trace: list) -> tuple[float, CostFn]:
     """From every rank's trace: the idle share of each rank between the step's first start and last end,
-    averaged over ranks, and each rank's mean forward and backward times as simulator costs (stages
-    differ: the first holds the embedding, the last the head and the loss)."""
+    averaged over ranks, and each rank's mean forward, backward (B) and weight-gradient (W) times as
+    simulator costs (stages differ: the first holds the embedding, the last the head and the loss)."""
     per_rank = comm.all_gather_object(trace, comm.world())
     start = min(s for t in per_rank for _, s, _ in t)
     makespan = max(e for t in per_rank for _, _, e in t) - start
     busy = [sum(e - s for a, s, e in t if a.is_compute) for t in per_rank]
     means = {(rank, op): statistics.mean(e - s for a, s, e in t if a.op == op)
-             for rank, t in enumerate(per_rank) for op in ("F", "B")}
+             for rank, t in enumerate(per_rank) for op in ("F", "B", "W") if any(a.op == op for a, _, _ in t)}
     return sum(1 - b / makespan for b in busy) / len(busy), lambda a: means.get((a.rank, a.op), 0.0)
 
 
@@ -223,7 +255,7 @@ def grad_rel_diff(a: Grads, b: Grads) -> float:
 
 def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> list[dict]:
     torch.set_num_threads(1)
-    configs = [bench_config(model, seq, world, s, m) for s in ("1f1b", "interleaved_1f1b")
+    configs = [bench_config(model, seq, world, s, m) for s in SCHEDULES
                for m in (world, 2 * world, 4 * world, 2 * world - 1)]
     runners = []
     for cfg in configs:

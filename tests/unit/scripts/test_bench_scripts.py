@@ -84,3 +84,36 @@ def test_tokenizer_bench_gives_each_format_the_ids_autotokenizer_gives(capsys) -
     bench.main(["--quick"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "MB/s" not in line]
     assert len(rows) == 3 and all(row[5].strip() == "True" for row in rows), rows
+
+
+def test_pp_bench_sinks_leave_plain_linears_weight_grads_to_w_with_the_plain_backwards_values() -> None:
+    """The zb_h1 rows' "ours": without the sinks no GEMM would be deferred and W would do nothing."""
+    import torch
+
+    from parallel import weight_grads
+
+    pp = importlib.import_module("scripts.bench.pp")
+    cfg = pp.bench_config("tiny", 16, 1, "zb_h1", 2)
+    tokens = pp.RandomTokens(2, 16, cfg.model.vocab_size).tokens(0)
+
+    def backward(chunk: torch.nn.Module, mb: int) -> None:
+        pp.token_loss_sum(chunk(tokens[mb : mb + 1, :-1]), tokens[mb : mb + 1, 1:]).backward()
+
+    plain, deferred = pp.plain_chunks(cfg, 0)[0], pp.plain_chunks(cfg, 0)[0]
+    for mb in range(2):
+        backward(plain, mb)
+    sinks = pp.GradSinks([deferred])
+    assert len(sinks.weights) == 4 * cfg.model.n_layers + 1  # wqkv, wo, w13, w2 per block; the head
+    with weight_grads.deferring():
+        for mb in range(2):
+            before = [None if w.grad is None else w.grad.clone() for w in sinks.weights]
+            backward(deferred, mb)
+            work = weight_grads.take()
+            assert len(work) == len(sinks.weights)
+            assert all(b is None and w.grad is None or torch.equal(w.grad, b) for w, b in zip(sinks.weights, before))
+            with torch.no_grad():
+                for gemm in work:
+                    gemm()
+    assert sinks.calls == 2 * len(sinks.weights)
+    for (name, a), b in zip(plain.named_parameters(), deferred.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
