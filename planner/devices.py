@@ -1,7 +1,7 @@
 """Device profiles (conf/device/<name>.yaml): memory, dense bf16 / fp8 throughput, HBM bandwidth, the
 per-GPU bandwidth of the links inside a node and between nodes, and GPUs per node. GPUs come from their
-published numbers; `cpu` is measured on the spot (an fp32 matmul, a large copy, the RAM), one device per
-core, with the copy bandwidth standing in for gloo's links.
+published numbers; `cpu` is measured on the spot (an fp32 matmul on one thread, a large copy, the RAM), one
+device per core, with the copy bandwidth standing in for gloo's links. More CPU ranks than cores share them (step_time.py).
 """
 
 import os
@@ -40,6 +40,12 @@ class DeviceProfile:
         return tflops * 1e12
 
 
+def oversubscribed_cores(device: DeviceProfile, ranks: int) -> int:
+    """The cores `ranks` CPU processes share when they outnumber them (gpus_per_node), else 0: a GPU is
+    never shared."""
+    return device.gpus_per_node if device.name == "cpu" and ranks > device.gpus_per_node else 0
+
+
 def known_devices() -> list[str]:
     return sorted(p.stem for p in DEVICE_DIR.glob("*.yaml"))
 
@@ -56,15 +62,20 @@ def load_device(name: str) -> DeviceProfile:
 
 
 def measure_cpu() -> dict:
-    """This CPU's numbers, per core (a run places one rank per core)."""
+    """This CPU's numbers, per core: a rank runs one thread (OMP_NUM_THREADS=1 under torchrun)."""
     cores = max(1, len(os.sched_getaffinity(0)))
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start, reps = time.perf_counter(), 8
-    for _ in range(reps):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b
-    tflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+        start, reps = time.perf_counter(), 8
+        for _ in range(reps):
+            a @ b
+        tflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+    finally:
+        torch.set_num_threads(threads)
     x = torch.empty(2**24)
     y = torch.empty_like(x)
     start = time.perf_counter()

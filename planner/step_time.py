@@ -14,7 +14,8 @@ while this one computes; reductions run behind the backward):
 
 The pipeline programs run on the simulator (NCCL semantics) with these costs and the p2p transfer
 times; past 2 x pp microbatches the steady per-microbatch time is extrapolated. The optimizer's update
-(HBM-bound) and the last reductions' drain close the step.
+(HBM-bound) and the last reductions' drain close the step. More CPU ranks than cores share
+them: the step is then at least the work of all ranks over the cores.
 """
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, pipeline_actions
 from parallel.pipeline.simulate import simulate
-from planner.devices import DeviceProfile
+from planner.devices import DeviceProfile, oversubscribed_cores
 from planner.units import rank_chunks, unit_sizes
 from trainer.config.schema import TrainConfig
 from trainer.observability.flops import training_flops_per_token
@@ -167,6 +168,11 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     optimizer = shard_elements * 28 / (device.hbm_gbps * 1e9)  # Adam reads parameter, gradient, moments; writes 3
     drain = c.reduce["block"] + c.replicas["block"]
     step = makespan + optimizer + drain
+    cores = oversubscribed_cores(device, dims.world_size)
+    if cores:  # a rank idle in a bubble or a wait leaves its core to the others: the cores' total work bounds
+        ranks_per_stage = dims.world_size // pp
+        work = sum(timeline.busy(r) + extra * steady[r] for r in range(pp)) * ranks_per_stage
+        step = max(step, (work + dims.world_size * (optimizer + drain)) / cores)
     tokens = cfg.batch_size * dims.dp * cfg.seq_len
     flops = training_flops_per_token(cfg.model, cfg.seq_len) * tokens
     peak = device.flops(dtype_bytes)  # MFU against the compute dtype's peak, fp8 GEMMs or not

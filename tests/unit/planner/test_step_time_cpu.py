@@ -1,0 +1,41 @@
+"""The step-time model on an oversubscribed CPU (more ranks than cores), and the rank correlation that
+scripts/bench/plan_time.py checks it with."""
+
+import dataclasses
+
+import pytest
+
+from parallel.launch_env import LaunchEnv
+from planner.config import compose_config
+from planner.devices import DeviceProfile
+from planner.dry_run import planned_world
+from planner.step_time import compute_lower_bound, predict
+from scripts.bench.plan_time import spearman
+from trainer.config.rules import validate
+
+# Fixed numbers, so the test does not depend on this machine's measurement.
+CPU = DeviceProfile("cpu", 4.0, 0.05, 0.05, 0.05, 10.0, 2.0, 2.0, gpus_per_node=4)
+
+
+def layout(*overrides: str):
+    cfg = compose_config(["model=small", "seq_len=128", "compute_dtype=fp32", *overrides, "dry_run=true", "world_size=4"])
+    return cfg, validate(cfg, planned_world(cfg, LaunchEnv.from_torchrun()))
+
+
+def test_spearman_against_hand_computed():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # rank differences 0, 0, 1, -1: 1 - 6 x 2 / (4 x (16 - 1))
+    assert spearman([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("overrides", [("batch_size=2",), ("batch_size=8", "pipeline_parallel_size=4")])
+def test_ranks_sharing_cores_take_at_least_all_ranks_work_over_the_cores(overrides):
+    cfg, dims = layout(*overrides)
+    alone = predict(cfg, dims, CPU, 4).step_s
+    # A GPU-named profile with the same numbers is never shared: the same step as 4 CPU cores for 4 ranks.
+    assert predict(cfg, dims, dataclasses.replace(CPU, name="gpu", gpus_per_node=1), 4).step_s == alone
+    one_core = predict(cfg, dims, dataclasses.replace(CPU, gpus_per_node=1), 4).step_s
+    assert one_core > alone
+    if dims.pp == 1:  # four equal ranks' compute, one after another on the one core
+        assert one_core >= 4 * compute_lower_bound(cfg, dims, CPU, 4)
