@@ -37,6 +37,7 @@ class ShardingPlan:
     collectives: int  # a reduction's collectives before it lands on the step's last microbatch ...
     collectives_before_last: int  # ... and on an earlier one (per microbatch)
     in_flight: int = 2  # reductions the queue keeps going before it completes the oldest
+    aliases_shard: bool = False  # a one-rank group in fp32: the unsharded parameters are the shard itself
 
     def shard(self, numel: int) -> int:
         return -(-numel // self.world)
@@ -67,7 +68,7 @@ class _State:
         self.chunks, self.plan = chunks, plan
         numel = {(c, i): u.numel for c, chunk in enumerate(chunks) for i, u in enumerate(chunk)}
         shards = sum(plan.shard(n) for n in numel.values())
-        self.gathered = _Held(lambda k: plan.compute_bytes * plan.padded(numel[k]))
+        self.gathered = _Held(lambda k: 0 if plan.aliases_shard else plan.compute_bytes * plan.padded(numel[k]))
         self.accumulators = _Held(lambda k: FP32 * plan.padded(numel[k]))
         self.shard_sums = _Held(lambda k: FP32 * plan.shard(numel[k]))
         self.shard_grads = _Held(lambda k: FP32 * plan.shard(numel[k]))

@@ -31,7 +31,8 @@ class FusedWgradLinear(nn.Module):
         self.is_first_microbatch = is_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FusedWgradFunction.apply(x, self.weight, self.is_first_microbatch, hasattr(self.weight, "main_grad"))
+        # As TE 2.0: main_grad is read at forward, and it must be bound by then.
+        return FusedWgradFunction.apply(x, self.weight, self.is_first_microbatch, getattr(self.weight, "main_grad", None))
 
 
 class Block(nn.Module):
