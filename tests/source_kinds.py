@@ -10,11 +10,20 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
+
 DOCUMENTS = [f"document {i}: the quick brown fox {'jumps ' * (i % 7)}over the lazy dog.\nline two {i}\n"
              for i in range(40)] + ["unicode: δ ü 漢字\r\nand a CRLF"]
 # Megatron's DType codes (megatron/core/datasets/indexed_dataset.py): what preprocess_data.py writes for
 # vocabularies below 65500 (uint16) and above (int32).
 MEGATRON_DTYPE_CODES = {np.uint16: 8, np.int32: 4}
+
+
+def train_small_tokenizer(folder: Path) -> SentencePieceTokenizer:
+    """A 400-token sentencepiece model learned from DOCUMENTS, in `folder`."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("".join(DOCUMENTS) * 20)
+    return SentencePieceTokenizer(train_tokenizer([corpus], 400, folder / "spm.model"))
 
 
 def write_text_files(folder: Path, documents: list[str]) -> Path:

@@ -7,16 +7,13 @@ from pathlib import Path
 
 from tests import REPO
 from tests.e2e.launch import metrics, train
-from tests.source_kinds import DOCUMENTS, text_form_of_every_kind, write_every_kind
+from tests.source_kinds import DOCUMENTS, text_form_of_every_kind, train_small_tokenizer, write_every_kind
 from trainer.data.prepare import prepare_dataset
 from trainer.data.shards import TOKENS_FILE
-from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
 
 
 def test_a_job_after_prepare_data_trains_every_kind_on_two_ranks_without_tokenizing(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(DOCUMENTS) * 20)
-    tokenizer = SentencePieceTokenizer(train_tokenizer([corpus], 400, tmp_path / "spm.model"))
+    tokenizer = train_small_tokenizer(tmp_path)
     documents = DOCUMENTS * 3
     mixed = write_every_kind(tmp_path / "mixed", documents, tokenizer)
     cache = tmp_path / "cache"

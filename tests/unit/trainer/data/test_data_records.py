@@ -8,21 +8,16 @@ import pytest
 import zstandard
 
 from parallel.errors import ConfigError
+from tests.source_kinds import DOCUMENTS, train_small_tokenizer
 from trainer.data.prepare import prepare_dataset
 from trainer.data.records import RecordFormat
 from trainer.data.shards import TOKENS_FILE
-from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
-
-DOCUMENTS = [f"document {i}: the quick brown fox {'jumps ' * (i % 7)}over the lazy dog.\nline two {i}\n"
-             for i in range(40)] + ["unicode: δ ü 漢字\r\nand a CRLF"]
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("".join(DOCUMENTS) * 20)
-    return SentencePieceTokenizer(train_tokenizer([corpus], 400, folder / "spm.model"))
+    return train_small_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _pack(source: Path, tokenizer, cache: Path, logs: list[str] | None = None, **fmt) -> bytes:

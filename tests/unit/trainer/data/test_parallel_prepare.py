@@ -5,20 +5,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.source_kinds import DOCUMENTS, write_every_kind
+from tests.source_kinds import DOCUMENTS, train_small_tokenizer, write_every_kind
 from trainer.data import progress as progress_module
 from trainer.data.progress import Progress
 from trainer.data.shards import META_FILE, TOKENS_FILE, write_packed_tokens
 from trainer.data.sources import list_source, sources_fingerprint
-from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("".join(DOCUMENTS) * 20)
-    return SentencePieceTokenizer(train_tokenizer([corpus], 400, folder / "spm.model"))
+    return train_small_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _pack(files: list[Path], tokenizer, out: Path, workers: int, logs: list[str]) -> dict[str, bytes]:

@@ -8,22 +8,19 @@ import numpy as np
 import pytest
 
 from parallel.errors import ConfigError
-from tests.source_kinds import (DOCUMENTS, text_form_of_every_kind, write_every_kind, write_hf_dataset, write_jsonl,
-                                write_megatron, write_parquet, write_text_files)
+from tests.source_kinds import (DOCUMENTS, text_form_of_every_kind, train_small_tokenizer, write_every_kind,
+                                write_hf_dataset, write_jsonl, write_megatron, write_parquet, write_text_files)
 from trainer.data.prepare import prepare_dataset
 from trainer.data.records import RecordFormat
 from trainer.data.shards import TOKENS_FILE
 from trainer.data.sources import list_source
 from trainer.data.tokenizer import load_tokenizer
-from trainer.data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
+from trainer.data.tokenizer_spm import SentencePieceTokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("".join(DOCUMENTS) * 20)
-    return SentencePieceTokenizer(train_tokenizer([corpus], 400, folder / "spm.model"))
+    return train_small_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")
