@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 
 from model.transformer import TransformerBlock
+from parallel.fsdp.flat_param import aliases_shard
 from parallel.mesh import ParallelDims
 from parallel.pipeline.schedule import effective_schedule, pipeline_actions
 from parallel.pipeline.simulate import Timeline, simulate, uniform_costs
@@ -88,10 +89,9 @@ def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
     # A reduction's collectives: SP's norm-gradient all-reduce over TP, the reduce-scatter, HSDP's all-reduce.
     before_last = int(cfg.model.sequence_parallel and dims.tp > 1) + int(dims.dp_shard * dims.cp > 1)
     world = dims.dp_shard * dims.cp
-    # As FSDPUnit: one rank computing in fp32 (no fp8 gather) uses its shard as the unsharded parameter.
-    aliases = world == 1 and dtype == torch.float32 and not cfg.model.fp8_all_gather
     plan = ShardingPlan(world, dtype.itemsize, cfg.reshard_after_forward, cfg.grad_reduce == "per_microbatch",
-                        before_last + int(dims.dp_replicate > 1), before_last, aliases_shard=aliases)
+                        before_last + int(dims.dp_replicate > 1), before_last,
+                        aliases_shard=aliases_shard(world, dtype, cfg.model.fp8_all_gather))
     program = pipeline_actions(cfg.pipeline_schedule, dims.pp, cfg.virtual_pipeline_stages, cfg.num_microbatches)
     measured, snapshot = peak_memory(list(program[pp_rank]), units, plan)
     blocks = sum(c.blocks for c in rank_chunks(cfg, pp_rank))

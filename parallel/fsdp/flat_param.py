@@ -93,3 +93,9 @@ def trainable_owners(name: str, module: nn.Module, spec: FlatParamSpec) -> list[
         raise ValueError(f"FSDP unit {name}: {name}.{frozen[0]} has requires_grad=False, but the unit's flat "
                          f"parameter trains every element it holds (the frozen one would be trained)")
     return owners
+
+
+def aliases_shard(world: int, compute_dtype: torch.dtype, fp8_all_gather: bool) -> bool:
+    """Whether a unit's unsharded parameter is its shard itself: one rank computing in fp32, with no fp8
+    gather, has nothing to gather or cast (no copy, no second weights)."""
+    return world == 1 and compute_dtype == torch.float32 and not fp8_all_gather

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm, weight_grads
 from parallel.fsdp.flat_param import (
-    FlatParamSpec, allocate_storage, flatten, free_storage, shard_of, split_views, trainable_owners,
+    FlatParamSpec, aliases_shard, allocate_storage, flatten, free_storage, shard_of, split_views, trainable_owners,
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
 from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
@@ -129,8 +129,7 @@ class FSDPUnit:
         self.norm_mask = self._norm_mask()  # fixed by the layout: built once, read every step
         device = self.flat_param.device
         fp8_params = fp8_params_of(self.spec, owners)
-        # One rank computing in fp32: the unsharded parameter is the shard (no copy, no second weights).
-        self.aliases_shard = self.spec.world == 1 and cfg.compute_dtype == torch.float32 and not cfg.fp8_all_gather
+        self.aliases_shard = aliases_shard(self.spec.world, cfg.compute_dtype, cfg.fp8_all_gather)
         if self.aliases_shard:
             self._buffer = self.flat_param.detach()
         else:
