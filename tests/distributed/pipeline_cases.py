@@ -5,10 +5,13 @@ training; the process group is the test's, the mesh is built per run.
 """
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from parallel.mesh import ParallelMesh
+from parallel.fsdp import unit as fsdp_unit
+from parallel.mesh import ParallelDims, ParallelMesh
 from parallel.pipeline.schedule import downstream, upstream
 from parallel.random import RNGStreams
 from trainer.checkpoint.state import checkpoint_state
@@ -59,11 +62,22 @@ def checkpoint_state_of(trainer: StepRunner, rank: int, step: int) -> dict:
     return checkpoint_state(trainer.roots, trainer.optimizer, rng, FixedSampler(), step, rank, trainer.mesh.dims)
 
 
+_MESHES: dict[ParallelDims, ParallelMesh] = {}
+
+
+def mesh_of(dims: ParallelDims) -> ParallelMesh:
+    """One mesh per layout for the life of the test's process group: its groups hold no training
+    state, and a mesh's dozens of gloo groups cost seconds to make on every run of a 4-rank test."""
+    if dims not in _MESHES:
+        _MESHES[dims] = ParallelMesh(dims, "cpu")
+    return _MESHES[dims]
+
+
 def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> StepRunner:
     """`validate_as`: the config validated in cfg's place (one that validation would refuse on this
     machine, e.g. TransformerEngine blocks on CPU, is validated as its twin)."""
     dims = validate(validate_as or cfg, world)
-    mesh = ParallelMesh(dims, "cpu")
+    mesh = mesh_of(dims)
     loader = SyntheticLoader(cfg.batch_size * dims.dp, mesh.dp_rank, dims.dp, cfg.microbatch_size)
     return StepRunner.build(cfg, mesh, loader, torch.device("cpu"))
 
@@ -110,3 +124,21 @@ def expected_p2p(cfg: TrainConfig, pp_rank: int) -> int:
     pp, vpp, m = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches
     stages = [chunk * pp + pp_rank for chunk in range(vpp)]
     return m * sum((downstream(s, "F", pp * vpp) is not None) + (upstream(s, "F", pp * vpp) is not None) for s in stages)
+
+
+@contextmanager
+def counting_concats() -> Iterator[list[int]]:
+    """Counts the flat-gradient concats autograd runs (the backward of a unit's connected parameter
+    views, CONCAT_EVENT in a profile) in a one-element list: a profiler's events cost minutes to
+    parse across the pipeline tests' runs, a counter nothing."""
+    count, backward = [0], fsdp_unit._ConnectedViews.backward
+
+    def counted(ctx, *grads):
+        count[0] += 1
+        return backward(ctx, *grads)
+
+    fsdp_unit._ConnectedViews.backward = staticmethod(counted)
+    try:
+        yield count
+    finally:
+        fsdp_unit._ConnectedViews.backward = staticmethod(backward)

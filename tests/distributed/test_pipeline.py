@@ -2,8 +2,9 @@
 chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
 single-process losses and gradient norms; uneven first and last stages, and their checkpoint on an even
 split; exact per-step collective counts; one flat-grad concat per unit per step; p2p memory independent
-of the microbatch count; ZB-H1 against 1F1B, its weight gradients and reductions in W; and the 8-rank tp x pp x dp composition (bf16 bitwise with
-optimize_backward_concat on and off, fp32 against tp=1/pp=1/dp=1)."""
+of the microbatch count; ZB-H1 against 1F1B, its weight gradients and reductions in W; and the 8-rank
+tp x pp x dp composition (bf16 bitwise with optimize_backward_concat on and off, fp32 against
+tp=1/pp=1/dp=1)."""
 
 import itertools
 import weakref
@@ -12,19 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import profile
 
 from parallel import comm
-from parallel.fsdp import CONCAT_EVENT
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.distributed.pipeline_cases import (
-    MODEL, SEQ, FixedSampler, assert_matches, checkpoint_state_of, config, expected_p2p, make_trainer,
-    read_references, reference_of, train, write_references,
+    MODEL, SEQ, FixedSampler, assert_matches, checkpoint_state_of, config, counting_concats, expected_p2p,
+    make_trainer, read_references, reference_of, train, write_references,
 )
+from tests.distributed.spawn import run_ranks
 from trainer.checkpoint.files import save_checkpoint
 from trainer.checkpoint.state import load_into
-from tests.distributed.spawn import run_ranks
 
 # (pp, layers per virtual stage) -> chunks per rank with n_layers=8: pp2 x 2 layers = 2, pp4 x 1 layer = 2.
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {2: 2, 4: 1}}
@@ -83,11 +82,10 @@ def _check_one_concat_per_unit(rank: int, world: int) -> None:
     for optimize in (True, False):
         cfg = config(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", batch_size=3, steps=1,
                      num_layers_per_virtual_pipeline_stage=2, optimize_backward_concat=optimize)
-        with profile(record_shapes=True) as prof:
+        with counting_concats() as concats:
             trainer, _ = train(cfg, world)
-        concats = sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
         units = sum(len(root.units) for root in trainer.roots)
-        assert concats == units * (1 if optimize else cfg.num_microbatches), (optimize, concats, units)
+        assert concats[0] == units * (1 if optimize else cfg.num_microbatches), (optimize, concats, units)
 
 
 def _check_composition_on_4_ranks(rank: int, world: int, reference: dict) -> None:
@@ -161,13 +159,12 @@ def _check_zero_bubble_h1(rank: int, world: int) -> None:
             label = f"zb_h1 pp{pp} m{m} optimize_backward_concat={optimize}"
             trainer = make_trainer(config(pipeline_schedule="zb_h1", optimize_backward_concat=optimize, **layout), world)
             record = _zero_bubble_step_record(trainer)
-            with profile() as prof:
+            with counting_concats() as concats:
                 metrics = [trainer.train_step(step) for step in (1, 2)]
             runs.append(reference_of(metrics))
             assert_matches(metrics, reference_of(plain), label, rel=1e-6)
             units = sum(len(root.units) for root in trainer.roots)
-            concats = sum(1 for e in prof.function_events if e.name == CONCAT_EVENT)
-            assert concats == 2 * units * (1 if optimize else m), (label, concats)
+            assert concats[0] == 2 * units * (1 if optimize else m), (label, concats)
             linears = sum(isinstance(x, (ColumnParallelLinear, RowParallelLinear)) for x in trainer.chunks[0].modules())
             assert linears and len(record) == 2 * 2 * m, (label, record)
             for op, _, mb, works, reductions in record:
