@@ -66,11 +66,17 @@ _MESHES: dict[ParallelDims, ParallelMesh] = {}
 
 
 def mesh_of(dims: ParallelDims) -> ParallelMesh:
-    """One mesh per layout for the life of the test's process group: its groups hold no training
-    state, and a mesh's dozens of gloo groups cost seconds to make on every run of a 4-rank test."""
+    """One mesh per layout for the life of the test's process group (whoever destroys that group calls
+    forget_meshes): a mesh's groups hold no training state, and each mesh adds dozens of gloo threads per
+    rank, which made a 4-rank test of 50 runs crawl and slowed every process beside it."""
     if dims not in _MESHES:
         _MESHES[dims] = ParallelMesh(dims, "cpu")
     return _MESHES[dims]
+
+
+def forget_meshes() -> None:
+    """Drop the cached meshes: their groups die with the process group about to be destroyed."""
+    _MESHES.clear()
 
 
 def make_trainer(cfg: TrainConfig, world: int, validate_as: TrainConfig | None = None) -> StepRunner:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.distributed.pipeline_cases import forget_meshes
+
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "über", "naïve", "数据", "x", "y"]
 
 
@@ -15,6 +17,7 @@ def world():
     """A one-process gloo group (checkpoint I/O and FSDP need one), per test module."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
+    forget_meshes()
     dist.destroy_process_group()
 
 
