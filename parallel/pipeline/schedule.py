@@ -7,8 +7,8 @@ Building a schedule has two parts:
 
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
-   backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the group size
-   searched: see interleaved_group) or `zb_h1` (1F1B with each backward split into B, the input
+   backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the groups
+   searched: see interleaved_groups) or `zb_h1` (1F1B with each backward split into B, the input
    gradient, and W, the weight gradients, deferred to fill the bubble: see _zero_bubble_h1). As in
    Megatron, `1f1b` over more than one chunk per rank is the interleaved one: virtual stages alone
    turn interleaving on.
