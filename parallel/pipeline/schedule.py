@@ -162,7 +162,7 @@ def interleaved_groups(pp: int, vpp: int, microbatches: int) -> tuple[tuple[int,
     return best[1:] if best is not None else fallback
 
 
-def _scheduling_orders(pp: int, vpp: int, microbatches: int, warmup_groups):
+def _scheduling_orders(pp: int, vpp: int, microbatches: int, warmup_groups: list[int] | range):
     """(makespan, groups, warm-up group) of each candidate order that schedules, warm-up group by
     warm-up group."""
     for w in warmup_groups:
