@@ -7,8 +7,8 @@ Building a schedule has two parts:
 
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
-   backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the group size
-   searched: see interleaved_group) or `zb_h1` (1F1B with each backward split into B, the input
+   backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the groups
+   searched: see interleaved_groups) or `zb_h1` (1F1B with each backward split into B, the input
    gradient, and W, the weight gradients, deferred to fill the bubble: see _zero_bubble_h1). As in
    Megatron, `1f1b` over more than one chunk per rank is the interleaved one: virtual stages alone
    turn interleaving on.
@@ -94,7 +94,7 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int
     if microbatches < 1:
         raise ConfigError(f"the number of microbatches (batch_size / microbatch_size) must be >= 1, got {microbatches}")
     if schedule == "interleaved_1f1b":
-        return _interleaved_order(pp, vpp, microbatches, rank, interleaved_group(pp, vpp, microbatches))
+        return _interleaved_order(pp, vpp, rank, *interleaved_groups(pp, vpp, microbatches))
     if schedule == "zb_h1":
         return _zero_bubble_h1(pp, microbatches, rank)
     forwards = [(0, mb) for mb in range(microbatches)]
@@ -102,61 +102,106 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int
     return _one_f_one_b(rank, forwards, forwards, warmup)
 
 
-def _interleaved_order(pp: int, vpp: int, microbatches: int, rank: int, group: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: groups of `group` microbatches run through every chunk before the
-    next group starts (the last group takes whatever is left); backwards visit the chunks in reverse."""
-    forwards = []
-    for first in range(0, microbatches, group):
-        last = microbatches if first + group >= microbatches else first + group
-        forwards += [(chunk, mb) for chunk in range(vpp) for mb in range(first, last)]
+def _interleaved_order(pp: int, vpp: int, rank: int, groups: tuple[int, ...], warmup_group: int) -> list[Action]:
+    """Megatron's interleaved 1F1B over consecutive groups of microbatches of the given sizes: each group
+    runs through every chunk before the next starts; backwards visit the chunks in reverse. The warm-up
+    is Megatron's for groups of `warmup_group` (at least the largest group: a rank's backward of a
+    group's first microbatch waits for its forward in the last chunk)."""
+    forwards, first = [], 0
+    for size in groups:
+        forwards += [(chunk, mb) for chunk in range(vpp) for mb in range(first, first + size)]
+        first += size
     backwards = [(vpp - 1 - chunk, mb) for chunk, mb in forwards]
-    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, len(forwards))
+    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * warmup_group, len(forwards))
     return _one_f_one_b(rank, forwards, backwards, warmup)
 
 
-@lru_cache(maxsize=64)
-def interleaved_group(pp: int, vpp: int, microbatches: int) -> int:
-    """The microbatch group size of the interleaved order, searched over pp..M (M when M < pp).
+def interleaved_partitions(microbatches: int, group: int) -> list[tuple[int, ...]]:
+    """The group sizes tried with a warm-up for groups of `group`: Megatron's (the remainder last), the
+    remainder first (its short group then idles the ranks in the warm-up, where they wait anyway), and
+    the microbatches spread evenly over ceil(M / group) groups, the smaller first."""
+    count, remainder = divmod(microbatches, group)
+    if not remainder:
+        return [(group,) * count]
+    spread = divmod(microbatches, count + 1)
+    even = (spread[0],) * (count + 1 - spread[1]) + (spread[0] + 1,) * spread[1]
+    return list(dict.fromkeys([(group,) * count + (remainder,), (remainder,) + (group,) * count, even]))
 
-    The valid size whose order finishes first at unit costs wins (with the runtime's transfers, the
-    simulator's makespan is the same); ties go to the smaller size, which holds fewer activations (the
-    peak grows with the size). Sizes whose peak exceeds interleaved_peak_bound are skipped, unless none
-    within it schedules: then the smallest size that schedules. As the peak grows with the size, the
-    bound also bounds the search to a few list schedules (one group of all M, which always schedules,
-    ends the fallback)."""
+
+@lru_cache(maxsize=64)
+def interleaved_groups(pp: int, vpp: int, microbatches: int) -> tuple[tuple[int, ...], int]:
+    """The interleaved order's group sizes and warm-up group, searched: for each warm-up group size
+    from pp to M (M when M < pp), the sizes of interleaved_partitions.
+
+    The order that finishes first at unit costs wins (with the runtime's transfers the simulator's
+    makespan is the same); ties go to the smaller peak (it grows with the warm-up group), then to the
+    earlier partition. Orders whose peak exceeds interleaved_peak_bound are skipped, unless none within
+    it schedules and is as fast as plain 1F1B: then the smallest peak that is (or, were there none,
+    the fastest within the bound, else the smallest peak that schedules). An order reaching the
+    pipeline's lower bound ends the search, so a multiple of pp takes one list schedule."""
     sizes = range(min(pp, microbatches), microbatches + 1)
     limit = interleaved_peak_bound(pp, vpp, microbatches)
-    within = [g for g in sizes if interleaved_peak(pp, vpp, microbatches, g) <= limit]
-    makespans = {g: span for g in within if (span := _interleaved_makespan(pp, vpp, microbatches, g)) is not None}
-    if makespans:
-        return min(makespans, key=lambda g: (makespans[g], g))
-    return next(g for g in sizes[len(within):] if _interleaved_makespan(pp, vpp, microbatches, g) is not None)
+    within = [w for w in sizes if interleaved_peak(pp, vpp, microbatches, w) <= limit]  # a prefix
+    # No rank r can end before r forwards, its own vpp x M forwards and backwards, and the r backwards
+    # of chunk 0 that carry its last input gradient to rank 0.
+    ideal = (_PLACEMENT_COST[FORWARD] + _PLACEMENT_COST[BACKWARD]) * (vpp * microbatches + pp - 1)
+    best = None
+    for span, groups, w in _scheduling_orders(pp, vpp, microbatches, within):
+        if best is None or span < best[0]:
+            best = (span, groups, w)
+        if span == ideal:
+            break
+    plain = vpp * _one_f_one_b_makespan(pp, microbatches)  # a chunk costs 1/vpp of a stage
+    if best is not None and best[0] <= plain:
+        return best[1:]
+    fallback = None
+    for span, groups, w in _scheduling_orders(pp, vpp, microbatches, sizes[len(within):]):
+        if span <= plain:
+            return groups, w
+        fallback = fallback or (groups, w)
+    return best[1:] if best is not None else fallback
+
+
+def _scheduling_orders(pp: int, vpp: int, microbatches: int, warmup_groups: list[int] | range):
+    """(makespan, groups, warm-up group) of each candidate order that schedules, warm-up group by
+    warm-up group."""
+    for w in warmup_groups:
+        for groups in interleaved_partitions(microbatches, w):
+            span = _interleaved_makespan(pp, vpp, groups, w)
+            if span is not None:
+                yield span, groups, w
 
 
 def interleaved_peak_bound(pp: int, vpp: int, microbatches: int) -> int:
-    """The most chunk activations a group may hold on rank 0: 1F1B's min(pp, M) microbatches plus vpp
+    """The most chunk activations an order may hold on rank 0: 1F1B's min(pp, M) microbatches plus vpp
     (a chunk holds 1/vpp of a stage), or what Megatron's own group of pp holds where that is more (at
     vpp=2 from pp=6 its warm-up alone exceeds the first)."""
     return max((min(pp, microbatches) + vpp) * vpp, interleaved_peak(pp, vpp, microbatches, min(pp, microbatches)))
 
 
-def interleaved_peak(pp: int, vpp: int, microbatches: int, group: int) -> int:
-    """Chunk activations rank 0 holds at most (the most of any rank: its warm-up is the longest):
-    its warm-up forwards, plus the first steady forward before the first backward frees one."""
+def interleaved_peak(pp: int, vpp: int, microbatches: int, warmup_group: int) -> int:
+    """Chunk activations rank 0 holds at most under a warm-up for groups of `warmup_group` (the most of
+    any rank: its warm-up is the longest), whatever the group sizes: its warm-up forwards, plus the
+    first steady forward before the first backward frees one."""
     forwards = vpp * microbatches
-    warmup = min((pp - 1) * 2 + (vpp - 1) * group, forwards)
+    warmup = min((pp - 1) * 2 + (vpp - 1) * warmup_group, forwards)
     return warmup + 1 if warmup < forwards else warmup
 
 
-def _interleaved_makespan(pp: int, vpp: int, microbatches: int, group: int) -> int | None:
-    """When the order with this group size ends, list-scheduled at unit costs (the clock the transfers
-    are placed on; the simulator's, with its transfer batches, costs three times as much); None when it
+def _interleaved_makespan(pp: int, vpp: int, groups: tuple[int, ...], warmup_group: int) -> int | None:
+    """When the order with these groups ends, list-scheduled at unit costs (the clock the transfers are
+    placed on; the simulator's, with its transfer batches, costs three times as much); None when it
     deadlocks."""
-    orders = [_interleaved_order(pp, vpp, microbatches, r, group) for r in range(pp)]
+    orders = [_interleaved_order(pp, vpp, r, groups, warmup_group) for r in range(pp)]
     try:
-        return max(_list_schedule(orders, pp, vpp, "interleaved_1f1b", microbatches)[1].values())
+        return max(_list_schedule(orders, pp, vpp, "interleaved_1f1b", sum(groups))[1].values())
     except ConfigError:
         return None
+
+
+def _one_f_one_b_makespan(pp: int, microbatches: int) -> int:
+    orders = [compute_order("1f1b", pp, 1, microbatches, r) for r in range(pp)]
+    return max(_list_schedule(orders, pp, 1, "1f1b", microbatches)[1].values())
 
 
 def _one_f_one_b(rank: int, forwards: list, backwards: list, warmup: int) -> list[Action]:
