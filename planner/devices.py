@@ -1,18 +1,17 @@
-"""Device profiles (conf/device/<name>.yaml): memory, dense bf16 / fp8 throughput, HBM bandwidth, the
-per-GPU bandwidth of the links inside a node and between nodes, and GPUs per node. GPUs come from their
-published numbers; `cpu` is measured on the spot (an fp32 matmul on one thread, a large copy, the RAM), one
-device per core, with the copy bandwidth standing in for gloo's links. More CPU ranks than cores share them (step_time.py).
+"""Device profiles (conf/device/<name>.yaml): memory, dense bf16 / fp8 throughput and how much of it a
+GEMM of a given size reaches, HBM bandwidth, the per-GPU bandwidth and latency of the links inside a node
+and between nodes, whether communication overlaps compute, and GPUs per node. GPUs come from their
+published numbers; `cpu` is measured on the spot (planner/cpu_profile.py), one device per core. More CPU
+ranks than cores share them (step_time.py).
 """
 
-import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 import yaml
 
 from parallel.errors import ConfigError
+from planner.cpu_profile import measure_cpu
 
 DEVICE_DIR = Path(__file__).resolve().parents[1] / "conf" / "device"
 GB = 1e9
@@ -29,6 +28,24 @@ class DeviceProfile:
     intra_node_gbps: float
     inter_node_gbps: float
     gpus_per_node: int
+    intra_node_latency_us: float  # one collective or transfer of a small message
+    inter_node_latency_us: float
+    gemm_efficiency: float  # the fraction of the peak a large GEMM reaches
+    gemm_half_size: int  # the GEMM rows or width at which half of that is lost
+    overlaps_communication: bool  # False: a collective's time adds to the compute's (gloo on shared cores)
+    shared_core_latency_us: float | None = None  # a CPU's collective latency with two ranks per core
+
+    def latencies_for(self, ranks: int) -> "DeviceProfile":
+        """The profile as `ranks` ranks see it: where they outnumber a CPU's cores, a rank that waits
+        gives its core up and is woken at the scheduler's pace, so every collective takes the shared
+        latency."""
+        if not oversubscribed_cores(self, ranks):
+            return self
+        return replace(self, intra_node_latency_us=self.shared_core_latency_us,
+                       inter_node_latency_us=self.shared_core_latency_us)
+
+    def without_latency(self) -> "DeviceProfile":
+        return replace(self, intra_node_latency_us=0.0, inter_node_latency_us=0.0, shared_core_latency_us=0.0)
 
     @property
     def memory_bytes(self) -> int:
@@ -38,6 +55,11 @@ class DeviceProfile:
         """Dense peak FLOP/s of a GEMM in this precision."""
         tflops = self.fp8_tflops if fp8 else self.fp32_tflops if dtype_bytes == 4 else self.bf16_tflops
         return tflops * 1e12
+
+    def efficiency(self, rows: int, width: int) -> float:
+        """The fraction of the peak a GEMM reaches whose smaller side is min(rows, width)."""
+        size = min(rows, width)
+        return self.gemm_efficiency * size / (size + self.gemm_half_size)
 
 
 def oversubscribed_cores(device: DeviceProfile, ranks: int) -> int:
@@ -59,29 +81,3 @@ def load_device(name: str) -> DeviceProfile:
     if values.pop("measured", False):
         values.update(measure_cpu())
     return DeviceProfile(**values)
-
-
-def measure_cpu() -> dict:
-    """This CPU's numbers, per core: a rank runs one thread (OMP_NUM_THREADS=1 under torchrun)."""
-    cores = max(1, len(os.sched_getaffinity(0)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        start, reps = time.perf_counter(), 8
-        for _ in range(reps):
-            a @ b
-        tflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
-    finally:
-        torch.set_num_threads(threads)
-    x = torch.empty(2**24)
-    y = torch.empty_like(x)
-    start = time.perf_counter()
-    for _ in range(4):
-        y.copy_(x)
-    copy_gbps = 2 * x.numel() * 4 * 4 / (time.perf_counter() - start) / GB
-    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"memory_gib": ram_gib / cores, "bf16_tflops": tflops, "fp32_tflops": tflops, "fp8_tflops": tflops, "hbm_gbps": copy_gbps,
-            "intra_node_gbps": copy_gbps / 4, "inter_node_gbps": copy_gbps / 4, "gpus_per_node": cores}

@@ -1,16 +1,18 @@
 """Predicted step time of a layout on a device profile.
 
-Each compute action (a chunk's forward or backward of one microbatch) costs, unit by unit, the larger of
-its compute and its FSDP traffic, as the runtime overlaps them (the next unit's all-gather is prefetched
-while this one computes; reductions run behind the backward):
+Each compute action (a chunk's forward or backward of one microbatch) costs, unit by unit, its compute
+and its FSDP traffic: the larger of the two where the device overlaps them (a GPU: the next unit's
+all-gather is prefetched while this one computes; reductions run behind the backward), their sum where
+it does not (gloo's threads on the cores the compute runs on):
 
-    compute     TP-local GEMM FLOPs / (peak x efficiency), the efficiency falling for small GEMMs (a
-                curve in the GEMM's rows and TP-local width, not fitted to measurements), backward twice
-                the forward, plus the recomputed forward of layer_ckpt; TP's and CP's exchanges are
-                added (they sit between the GEMMs); CP's ring overlaps its attention
+    compute     TP-local GEMM FLOPs / (peak x the profile's efficiency at the GEMM's smaller side), the
+                backward twice the forward, plus the recomputed forward of layer_ckpt; TP's and CP's
+                exchanges are added (they sit between the GEMMs); CP's ring overlaps its attention
     FSDP        the unit's all-gather (every microbatch under reshard_after_forward, else the first)
                 and, on a reducing microbatch, its reduce-scatter and HSDP's all-reduce
-    links       a group whose ranks fit in one node uses the intra-node bandwidth, else the inter-node
+    links       every collective and transfer costs the link's latency plus its bytes over the link's
+                bandwidth; a group whose ranks fit in one node uses the intra-node link, else the
+                inter-node one
 
 The pipeline programs run on the simulator (NCCL semantics) with these costs and the p2p transfer
 times; past 2 x pp microbatches the steady per-microbatch time is extrapolated. The optimizer's update
@@ -28,8 +30,9 @@ from planner.units import rank_chunks, unit_sizes
 from trainer.config.schema import TrainConfig
 from trainer.observability.flops import training_flops_per_token
 
-PEAK_EFFICIENCY = 0.6  # the best fraction of the dense peak a large GEMM reaches, end to end
-HALF_EFFICIENCY_SIZE = 128  # GEMM rows or width at which half of that is lost
+# Bytes an fp32 Adam step moves per parameter, as torch's foreach kernels run it: lerp_ (first moment),
+# mul_ and addcmul_ (second), sqrt, div and add (the denominator), addcdiv_ (the update): 11 reads, 7 writes.
+ADAM_BYTES = 18 * 4
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,6 @@ class StepTime:
     mfu: float
     bound: str  # compute | pipeline bubble | FSDP communication | TP/CP communication
     parts: dict[str, float]  # seconds per step on the slowest rank, by resource
-
-
-def _efficiency(rows: int, width: int) -> float:
-    return PEAK_EFFICIENCY * min(rows, width) / (min(rows, width) + HALF_EFFICIENCY_SIZE)
 
 
 @dataclass(frozen=True)
@@ -60,50 +59,76 @@ class _Costs:
     hop: float  # p2p transfer of one activation or gradient
 
 
-def _link(device: DeviceProfile, span: int) -> float:
-    """Bytes per second of a group whose ranks lie within `span` consecutive ranks."""
-    return (device.intra_node_gbps if span <= device.gpus_per_node else device.inter_node_gbps) * 1e9
+def _link(device: DeviceProfile, span: int) -> tuple[float, float]:
+    """(seconds of latency, bytes per second) of a group whose ranks lie within `span` consecutive ranks."""
+    if span <= device.gpus_per_node:
+        return device.intra_node_latency_us * 1e-6, device.intra_node_gbps * 1e9
+    return device.inter_node_latency_us * 1e-6, device.inter_node_gbps * 1e9
 
 
-def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> _Costs:
-    m, tp, cp, mb = cfg.model, dims.tp, dims.cp, cfg.microbatch_size
-    rows = mb * cfg.seq_len // cp  # tokens of a microbatch on this rank
-    fp8 = m.use_fp8
-    peak = device.flops(dtype_bytes, fp8)
+def _transfer_s(device: DeviceProfile, span: int, nbytes: float, count: int = 1) -> float:
+    """Seconds of `count` collectives or transfers moving `nbytes` in all over such a group's link."""
+    latency, bandwidth = _link(device, span)
+    return count * latency + nbytes / bandwidth
+
+
+def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> tuple[float, float, float]:
+    """Seconds of one microbatch's forward: (a block's, the head's, a block's attention product)."""
+    m, tp = cfg.model, dims.tp
+    rows = cfg.microbatch_size * cfg.seq_len // dims.cp  # tokens of a microbatch on this rank
+    peak = device.flops(dtype_bytes, m.use_fp8)
     attn_params = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     gemms = rows * 2 * (attn_params + 3 * m.dim * m.ffn_hidden_dim) / tp
     # Causal attention computes half the score product. Under CP the framework's attention over key
     # blocks runs the plain formula in fp32 off the CPU (parallel/context_parallel/lse.py), not flash.
     attention = rows * 2 * m.n_heads * m.head_dim * cfg.seq_len / tp
-    attention_peak = device.flops(4) if cp > 1 and device.name != "cpu" else peak
-    attention_s = attention / (attention_peak * _efficiency(rows, m.head_dim))
-    block_forward = gemms / (peak * _efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)) + attention_s
-    head_forward = rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes) * _efficiency(rows, m.vocab_size // tp))
-    activation = rows * m.dim * dtype_bytes
-    tp_link, cp_link = _link(device, tp), _link(device, tp * cp)
+    attention_peak = device.flops(4) if dims.cp > 1 and device.name != "cpu" else peak
+    attention_s = attention / (attention_peak * device.efficiency(rows, m.head_dim))
+    block = gemms / (peak * device.efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)) + attention_s
+    head = rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes) * device.efficiency(rows, m.vocab_size // tp))
+    return block, head, attention_s
+
+
+def _exchange_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int, attention_s: float) -> float:
+    """Seconds of a block's TP and CP exchanges in one forward (the backward's mirror them)."""
+    m, tp, cp, mb = cfg.model, dims.tp, dims.cp, cfg.microbatch_size
+    activation = mb * cfg.seq_len // cp * m.dim * dtype_bytes
     exchange = 0.0
-    if tp > 1:  # two gathers and two reduce-scatters (SP), or two all-reduces, per block and pass
-        exchange += 2 * activation * (tp - 1) / tp * (1 if m.sequence_parallel else 2) / tp_link
-    if cp > 1:
-        kv = 2 * mb * cfg.seq_len * (m.n_kv_heads // tp) * m.head_dim * dtype_bytes * (cp - 1) / cp / cp_link
-        exchange += kv if cfg.context_parallel_comm == "all_gather" else max(0.0, kv - attention_s)
+    if tp > 1:  # two gathers and two reduce-scatters (SP) or two all-reduces, each of an activation's (tp-1)/tp
+        exchange += _transfer_s(device, tp, 4 * activation * (tp - 1) / tp, 4 if m.sequence_parallel else 2)
+    if cp > 1:  # K and V: two all-gathers, or cp - 1 hops of the ring (which overlap the attention)
+        kv = 2 * mb * cfg.seq_len * (m.n_kv_heads // tp) * m.head_dim * dtype_bytes * (cp - 1) / cp
+        if cfg.context_parallel_comm == "all_gather":
+            exchange += _transfer_s(device, tp * cp, kv, 2)
+        else:
+            exchange += max(0.0, _transfer_s(device, tp * cp, kv, cp - 1) - attention_s)
+    return exchange
+
+
+def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> _Costs:
+    m, tp, cp = cfg.model, dims.tp, dims.cp
+    block_forward, head_forward, attention_s = _compute_s(cfg, dims, device, dtype_bytes)
+    exchange = _exchange_s(cfg, dims, device, dtype_bytes, attention_s)
     recompute = {"none": 0.0, "full": block_forward, "selective": attention_s}[m.layer_ckpt]
-    world = dims.dp_shard * cp
-    shard_link, replica_link = _link(device, tp * cp * dims.dp_shard), _link(device, dims.world_size // dims.pp)
+    world, r = dims.dp_shard * cp, dims.dp_replicate
+    shard_span, replica_span = tp * cp * dims.dp_shard, dims.world_size // dims.pp
     together = dims.pp * cfg.virtual_pipeline_stages == 1 and m.tie_embeddings
     sizes = unit_sizes(m, tp, together)
     numel = {"embedding": sizes.embedding, "block": sizes.block, "head": sizes.head}
-    gather = {k: n * dtype_bytes * (world - 1) / world / shard_link for k, n in numel.items()}
     reduce_bytes = 4 if cfg.reduce_dtype == "fp32" else 2
-    reduce = {k: n * reduce_bytes * (world - 1) / world / shard_link for k, n in numel.items()}
-    r = dims.dp_replicate
-    replicas = {k: 2 * n / world * reduce_bytes * (r - 1) / r / replica_link for k, n in numel.items()}
+    sharded, replicated = int(world > 1), int(r > 1)
+    gather = {k: _transfer_s(device, shard_span, n * dtype_bytes * (world - 1) / world, sharded) for k, n in numel.items()}
+    reduce = {k: _transfer_s(device, shard_span, n * reduce_bytes * (world - 1) / world, sharded) for k, n in numel.items()}
+    replicas = {k: _transfer_s(device, replica_span, 2 * n / world * reduce_bytes * (r - 1) / r, replicated)
+                for k, n in numel.items()}
     # Neighbouring pipeline stages are world / pp ranks apart.
-    hop = activation / (tp if m.sequence_parallel and tp > 1 else 1) / _link(device, dims.world_size // dims.pp + 1)
+    activation = cfg.microbatch_size * cfg.seq_len // cp * m.dim * dtype_bytes
+    hop = _transfer_s(device, dims.world_size // dims.pp + 1, activation / (tp if m.sequence_parallel and tp > 1 else 1))
     return _Costs(block_forward, head_forward, exchange, recompute, gather, reduce, replicas, numel, hop)
 
 
-def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: bool, last: bool) -> tuple[float, float]:
+def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: bool, last: bool,
+                overlap: bool) -> tuple[float, float]:
     """(seconds, of which compute) of one action over the chunk's units."""
     total = compute = 0.0
     gathers = cfg.reshard_after_forward or (first and op == FORWARD)
@@ -115,7 +140,7 @@ def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: b
             work = 2 * work + (c.recompute if kind == "block" else 0.0)
         comm = (c.gather[kind] if gathers else 0.0) + (c.reduce[kind] if reduces else 0.0)
         comm += c.replicas[kind] if reduces and last else 0.0
-        total += max(work + exchange, comm)
+        total += max(work + exchange, comm) if overlap else work + exchange + comm
         compute += work
     return total, compute
 
@@ -134,11 +159,13 @@ def rank_kinds(cfg: TrainConfig, pp_rank: int) -> list[list[str]]:
 
 
 def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> StepTime:
+    device = device.latencies_for(dims.world_size)
     c = _costs(cfg, dims, device, dtype_bytes)
     pp, vpp, microbatches = dims.pp, cfg.virtual_pipeline_stages, cfg.num_microbatches
     simulated = _simulated_microbatches(microbatches, pp)
     kinds = {r: rank_kinds(cfg, r) for r in range(pp)}
     computing: dict[Action, float] = {}
+    overlap = device.overlaps_communication
 
     def cost(a: Action) -> float:
         """A backward's weight-gradient half is W's (the simulator adds it to B in a program without W)."""
@@ -146,7 +173,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
             return c.hop
         op = BACKWARD if a.op == WEIGHT else a.op
         seconds, work = _unit_times(c, kinds[a.rank][a.chunk], op, cfg, a.microbatch == 0,
-                                    a.microbatch == simulated - 1)
+                                    a.microbatch == simulated - 1, overlap)
         if op == BACKWARD:
             weight_half = work / 2
             seconds, work = (weight_half, weight_half) if a.op == WEIGHT else (seconds - weight_half, work - weight_half)
@@ -156,7 +183,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     timeline = simulate(pipeline_actions(cfg.pipeline_schedule, pp, vpp, simulated), pp, vpp, cost,
                         sends_block=False, backend="nccl")
     # Past the simulated microbatches every rank repeats its steady forward and backward.
-    steady = {r: sum(_unit_times(c, k, op, cfg, False, False)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
+    steady = {r: sum(_unit_times(c, k, op, cfg, False, False, overlap)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
               for r in range(pp)}
     extra = microbatches - simulated
     makespan = timeline.makespan + extra * max(steady.values())
@@ -165,14 +192,12 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     compute = sum(w for a, w in computing.items() if a.rank == slowest) * microbatches / simulated
     exchange = 2 * c.exchange * microbatches * sum(k.count("block") for k in kinds[slowest])
     shard_elements = sum(c.numel[kind] for chunk in kinds[slowest] for kind in chunk) / (dims.dp_shard * dims.cp)
-    optimizer = shard_elements * 28 / (device.hbm_gbps * 1e9)  # Adam reads parameter, gradient, moments; writes 3
+    optimizer = shard_elements * ADAM_BYTES / (device.hbm_gbps * 1e9)
     drain = c.reduce["block"] + c.replicas["block"]
     step = makespan + optimizer + drain
     cores = oversubscribed_cores(device, dims.world_size)
-    if cores:  # a rank idle in a bubble or a wait leaves its core to the others: the cores' total work bounds
-        ranks_per_stage = dims.world_size // pp
-        work = sum(timeline.busy(r) + extra * steady[r] for r in range(pp)) * ranks_per_stage
-        step = max(step, (work + dims.world_size * (optimizer + drain)) / cores)
+    if cores:
+        step = max(step, _shared_cores_bound(cfg, dims, device, dtype_bytes, cores, optimizer + drain))
     tokens = cfg.batch_size * dims.dp * cfg.seq_len
     flops = training_flops_per_token(cfg.model, cfg.seq_len) * tokens
     peak = device.flops(dtype_bytes)  # MFU against the compute dtype's peak, fp8 GEMMs or not
@@ -181,6 +206,24 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
              "optimizer": optimizer + drain}
     bound = "compute" if compute >= 0.5 * step else max((k for k in parts if k != "compute"), key=parts.get)
     return StepTime(step, tokens / step / dims.world_size, flops / (step * dims.world_size * peak), bound, parts)
+
+
+def _shared_cores_bound(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int, cores: int,
+                        closing: float) -> float:
+    """More CPU ranks than cores: a rank idle in a bubble or blocked in a wait leaves its core to the
+    others, so the step is at least every rank's work (compute and bytes moved, not the latencies
+    waited out) over the cores. `closing`: a rank's optimizer update and last reductions."""
+    c, m = _costs(cfg, dims, device.without_latency(), dtype_bytes), cfg.num_microbatches
+
+    def microbatch(kinds: list[list[str]], first: bool, last: bool) -> float:
+        return sum(_unit_times(c, chunk, op, cfg, first, last, False)[0] for chunk in kinds for op in (FORWARD, BACKWARD))
+
+    work = 0.0
+    for r in range(dims.pp):
+        kinds = rank_kinds(cfg, r)
+        ends = microbatch(kinds, True, m == 1) + (microbatch(kinds, False, True) if m > 1 else 0.0)
+        work += ends + max(0, m - 2) * microbatch(kinds, False, False)
+    return (work * (dims.world_size // dims.pp) + dims.world_size * closing) / cores
 
 
 def _simulated_microbatches(microbatches: int, pp: int) -> int:

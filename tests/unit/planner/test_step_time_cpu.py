@@ -14,7 +14,9 @@ from scripts.bench.plan_time import spearman
 from trainer.config.rules import validate
 
 # Fixed numbers, so the test does not depend on this machine's measurement.
-CPU = DeviceProfile("cpu", 4.0, 0.05, 0.05, 0.05, 10.0, 2.0, 2.0, gpus_per_node=4)
+CPU = DeviceProfile("cpu", 4.0, 0.05, 0.05, 0.05, 10.0, 2.0, 2.0, gpus_per_node=4, intra_node_latency_us=100,
+                    inter_node_latency_us=100, gemm_efficiency=1.0, gemm_half_size=32, overlaps_communication=False,
+                    shared_core_latency_us=400)
 
 
 def layout(*overrides: str):
