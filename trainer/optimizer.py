@@ -34,6 +34,9 @@ class NamedAdamW:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
+        if self.cfg.fused:
+            self._fused_step(lr)
+            return
         beta1, beta2, cfg = self.cfg.beta1, self.cfg.beta2, self.cfg
         state = self.state()
         for name, param in zip(self.names, self.params):
@@ -48,6 +51,20 @@ class NamedAdamW:
             bias_correction2_sqrt = (1 - beta2**step) ** 0.5
             denom = (slot["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(cfg.eps)
             param.addcdiv_(slot["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+    def _fused_step(self, lr: float) -> None:
+        """The same update as torch.optim.AdamW(fused=True): one kernel pass per parameter (parameter,
+        gradient and both moments read once, written once) instead of eight elementwise passes."""
+        cfg, state = self.cfg, self.state()
+        stepping = [(name, p) for name, p in zip(self.names, self.params) if p.grad is not None]
+        if not stepping:
+            return
+        slots = [state[name] for name, _ in stepping]
+        steps = [slot["step"] for slot in slots]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_([p for _, p in stepping], [p.grad for _, p in stepping], [s["exp_avg"] for s in slots],
+                            [s["exp_avg_sq"] for s in slots], [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                            weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
 
     def zero_grad(self) -> None:
         for p in self.params:

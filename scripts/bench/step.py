@@ -50,24 +50,30 @@ def model_args(name: str, seq_len: int) -> ModelArgs:
     return from_dict({"model": raw, "seq_len": seq_len}).model
 
 
+FUSED = "ours compile=true optim.fused=true"
+
+
 def build_models(args: ModelArgs, seed: int) -> dict[str, nn.Module]:
-    """ours (eager), ours with each block's forward compiled (compile=true), and HF, all with ours' weights."""
+    """ours (eager), ours with each block's forward compiled (compile=true), that with torch's fused
+    AdamW (optim.fused=true's kernel), and HF, all with ours' weights."""
     ours = Transformer(args)
     init_weights(ours, args, seed)
-    compiled = Transformer(args)
-    compiled.load_state_dict(ours.state_dict())
-    for block in compiled.layers.values():
-        compile_forward(block)
+    compiled, fused = Transformer(args), Transformer(args)
+    for model in (compiled, fused):
+        model.load_state_dict(ours.state_dict())
+        for block in model.layers.values():
+            compile_forward(block)
     # sdpa on both sides: the comparison is of the models around attention, not of attention kernels.
     config = LlamaConfig(**hf_config(args, "float32", BOS_ID, EOS_ID), attn_implementation="sdpa", use_cache=False)
     hf = LlamaForCausalLM(config)
     hf.load_state_dict({n: t.detach().clone() for n, t in to_hf(ours.state_dict(), ours.args).items()}, strict=True)
-    return {"ours": ours.train(), "ours compile=true": compiled.train(), "HF": hf.train()}
+    return {"ours": ours.train(), "ours compile=true": compiled.train(), FUSED: fused.train(), "HF": hf.train()}
 
 
-def make_step(model: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """Returns step(tokens, targets) -> (loss, seconds); the optimizer lives in the closure."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def make_step(model: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor], fused: bool = False) -> Callable:
+    """Returns step(tokens, targets) -> (loss, seconds); the optimizer lives in the closure (torch's
+    single-tensor AdamW, as the trainer's default runs it, or its fused kernel)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False, fused=fused or None)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
         start = time.perf_counter()
@@ -90,7 +96,7 @@ def run(args: ModelArgs, batch: int, warmup: int, steps: int, seed: int) -> dict
     data = torch.randint(0, args.vocab_size, (batch, args.max_seq_len + 1), generator=gen)
     tokens, targets = data[:, :-1], data[:, 1:]
     gemms = GemmPass(args, batch * args.max_seq_len)
-    steppers = {name: make_step(m, (lambda t, m=m: m(input_ids=t).logits) if name == "HF" else m)
+    steppers = {name: make_step(m, (lambda t, m=m: m(input_ids=t).logits) if name == "HF" else m, name == FUSED)
                 for name, m in models.items()} | {LIMIT: lambda tokens, targets: (0.0, gemms())}
     times: dict[str, list[float]] = {name: [] for name in steppers}
     first_losses: dict[str, float] = {}
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(opts.model, model_args(opts.model, opts.seq), opts.batch * opts.seq, result))
     losses = result["losses"]
     print(f"\ncompile=true: {STATS.graphs} graph(s), compiled during step 1 ({result['compile_s']:.1f} s with it)")
-    for name, rtol in (("HF", 1e-6), ("ours compile=true", 1e-5)):
+    for name, rtol in (("HF", 1e-6), ("ours compile=true", 1e-5), (FUSED, 1e-5)):
         gap = abs(losses[name] - losses["ours"]) / abs(losses["ours"])
         print(require_agreement(f"step-1 losses of ours and {name}", gap, rtol=rtol))
 

@@ -28,7 +28,7 @@ SCHEDULE = tuple(
 FP8 = tuple(f"model.{k}" for k in ("fp8_format", "fp8_margin", "fp8_amax_compute_algo", "fp8_all_gather"))
 PRECISION = ("compute_dtype", "reduce_dtype", "model.use_fp8", "model.fp8_wgrad", *FP8)
 # The same model computed by other kernels: the numerics change, the weights mean the same.
-KERNELS = ("model.use_te_layers", "model.efficient_attn")
+KERNELS = ("model.use_te_layers", "model.efficient_attn", "optim.fused")
 # Read from the config as they are; compute_dtype (null = per device) and the decay end (null = steps)
 # are resolved first. The amax history's length is its checkpointed shape: it cannot change.
 _AS_CONFIGURED = (*ARCHITECTURE, *SCHEDULE, *PRECISION[1:], *KERNELS, "model.fp8_amax_history_len", "seq_len",

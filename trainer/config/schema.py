@@ -70,6 +70,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0
     use_fp32_copy_optim: bool = True
+    fused: bool = False
 
     @property
     def decays(self) -> bool:

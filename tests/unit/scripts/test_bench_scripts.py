@@ -23,10 +23,11 @@ def test_step_bench_runs_ours_eager_compiled_and_hf_to_the_same_loss_and_its_lim
     losses = result["losses"]
     assert abs(losses["ours"] - losses["HF"]) <= 1e-6 * abs(losses["HF"])
     assert abs(losses["ours compile=true"] - losses["ours"]) <= 1e-5 * abs(losses["ours"])
+    assert abs(losses[step.FUSED] - losses["ours"]) <= 1e-5 * abs(losses["ours"])
     assert "agree within" in step.require_agreement("losses", abs(losses["ours"] - losses["HF"]) / abs(losses["HF"]),
                                                     rtol=1e-6)
     rows = step.table("tiny", args, 2 * 32, result).splitlines()[2:]
-    assert [row.split(" | ")[1] for row in rows] == ["ours", "ours compile=true", "HF", step.LIMIT]
+    assert [row.split(" | ")[1] for row in rows] == ["ours", "ours compile=true", step.FUSED, "HF", step.LIMIT]
     assert rows[-1].endswith("| 1.00 |") and result["limit_flops"] > 0
 
 

@@ -123,15 +123,17 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication(monkeypatch
     assert m.mfu_compute == pytest.approx(m.mfu * 2.0 / 1.5)
 
 
-def test_adamw_is_torch_adamw_bitwise():
-    """Our in-tree AdamW against torch.optim.AdamW (single-tensor path) over steps with changing LR."""
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_is_torch_adamw_bitwise(fused: bool):
+    """Our in-tree AdamW against torch.optim.AdamW over steps with changing LR: its single-tensor path,
+    or with optim.fused its fused kernel."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, fused=fused)
     gen = torch.Generator().manual_seed(0)
     ours_model = torch.nn.Linear(8, 4)
     theirs = [p.detach().clone().requires_grad_() for p in ours_model.parameters()]
     ours = NamedAdamW([ours_model], cfg)
     reference = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, foreach=False)
+                                  weight_decay=cfg.weight_decay, foreach=False, fused=fused or None)
     for step in range(1, 8):
         lr = lr_at(step, 7, cfg)
         for p, q in zip(ours.params, theirs):
@@ -146,3 +148,18 @@ def test_adamw_is_torch_adamw_bitwise():
     state = ours.state()["weight"]
     assert torch.equal(state["exp_avg_sq"], reference.state[theirs[0]]["exp_avg_sq"])
     assert state["step"].item() == 7.0 and ours.updates() == 7
+
+
+def test_the_fused_update_is_the_default_one_up_to_rounding_and_skips_parameters_without_gradients():
+    gen = torch.Generator().manual_seed(1)
+    models = [torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [NamedAdamW([m], OptimConfig(fused=fused)) for m, fused in zip(models, (False, True))]
+    for step in range(1, 6):
+        grad = torch.randn(32, 64, generator=gen)
+        for m, optimizer in zip(models, optimizers):
+            m.weight.grad, m.bias.grad = grad.clone(), None  # the bias gets none: it must not move
+            optimizer.step(1e-2)
+    default, fused = (m.weight.detach() for m in models)
+    torch.testing.assert_close(fused, default, rtol=1e-5, atol=1e-7)
+    assert torch.equal(models[1].bias, models[0].bias) and optimizers[1].state()["bias"]["step"].item() == 0

@@ -32,6 +32,11 @@ def test_kernel_switches_are_named_and_allowable(tmp_path):
     assert check_resumable(saved, _fingerprint(use_te_layers=True), allowed=["model.use_te_layers"]) == [
         "model.use_te_layers False -> True"]  # what the resume logs
     assert check_resumable(saved, _fingerprint(), allowed=["model.use_te_layers"]) == []
+    fused = run_fingerprint(from_dict({"model": {"name": "tiny"}, "optim": {"fused": True}}), "float32", 8, "a" * 64, DATA)
+    with pytest.raises(ConfigError, match=r"optim.fused False -> True.*resume.allow_changed=\[optim.fused\]"):
+        check_resumable(saved, fused, allowed=[])
+    # A checkpoint from before the key: it was the default then.
+    assert check_resumable(_saved(tmp_path, _fingerprint(), drop=("optim.fused",)), _fingerprint(), allowed=[]) == []
 
 
 def test_a_changed_global_batch_says_how_to_keep_it(tmp_path):
