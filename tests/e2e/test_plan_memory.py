@@ -1,6 +1,6 @@
 """dry_run's memory model against measurement: model=small on CPU layouts (dp, tp + SP, pp 1F1B and
-interleaved, CP ring, HSDP, ZeRO-2 and ZeRO-3, layer_ckpt none / full / selective, grad_reduce per
-microbatch, fp8), each rank's live tensor bytes by category at their peak (mem_snapshot_stop_step) against
+interleaved, tp + SP x pp, CP ring, HSDP, ZeRO-2 and ZeRO-3, layer_ckpt none / full / selective,
+grad_reduce per microbatch, fp8: eight launches), each rank's live tensor bytes by category at their peak (mem_snapshot_stop_step) against
 the plan of its pipeline stage: the total within 10%, each category within 15%. Several features share a
 launch so the whole comparison is a few small launches."""
 
@@ -24,6 +24,8 @@ LAUNCHES = {
     "pp2_interleaved": (2, ("batch_size=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=2")),
     "cp2_ring": (2, ("batch_size=2", "context_parallel_size=2", "context_parallel_comm=ring")),
     "hsdp_2x2": (4, ("batch_size=1", "dp_replicate=2")),
+    "dp2_zero3": (2, ("batch_size=2",)),
+    "tp2_sp_pp2": (4, ("batch_size=2", "model_parallel_size=2", "model.sequence_parallel=true", "pipeline_parallel_size=2")),
 }
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
