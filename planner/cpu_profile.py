@@ -78,13 +78,16 @@ def _copy_gbps() -> float:
 
 
 def _gloo_links(cores: int) -> tuple[float, float, float]:
-    """(seconds per small all-reduce among `cores` ranks, the same with twice as many ranks sharing the
-    cores, GB/s one way) of gloo between processes on this host, as the training ranks run. The ranks
-    are fresh interpreters running this module (multiprocessing's would re-import the caller's main)."""
-    ranks = 2 * cores
+    """(seconds per small all-reduce with one rank per core, the same with two ranks per core, GB/s one
+    way) of gloo between processes on this host, as the training ranks run: on at most two cores (the
+    ranks pinned there), so a large machine starts four processes, not hundreds. The ranks are fresh
+    interpreters running this module (multiprocessing's would re-import the caller's main)."""
+    pinned = sorted(os.sched_getaffinity(0))[:min(cores, 2)]
+    cores, ranks = len(pinned), 2 * len(pinned)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory() as folder:
-        processes = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(ranks), str(cores), f"{folder}/store"],
+        processes = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(ranks), ",".join(map(str, pinned)),
+                                       f"{folder}/store"],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for r in range(ranks)]
         outputs = [p.communicate(timeout=120) for p in processes]
@@ -96,9 +99,12 @@ def _gloo_links(cores: int) -> tuple[float, float, float]:
     return alone, shared, LARGE_NUMEL * 4 / max(large - alone, 1e-9) / GB
 
 
-def _link_rank(rank: int, world: int, cores: int, store_file: str) -> None:
-    """One rank of the measurement: all-reduces within the first `cores` ranks while the rest wait on
-    the store (asleep, off the cores), then among every rank; rank 0 prints the seconds."""
+def _link_rank(rank: int, world: int, pinned: list[int], store_file: str) -> None:
+    """One rank of the measurement, on the `pinned` cores: all-reduces within the first one rank per
+    core while the rest wait on the store (asleep, off the cores), then among every rank; rank 0 prints
+    the seconds."""
+    os.sched_setaffinity(0, pinned)
+    cores = len(pinned)
     torch.set_num_threads(1)
     store = dist.FileStore(store_file, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -129,4 +135,4 @@ def _all_reduce_s(x: torch.Tensor, group, reps: int) -> float:
 
 
 if __name__ == "__main__":
-    _link_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _link_rank(int(sys.argv[1]), int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")], sys.argv[4])
