@@ -30,9 +30,10 @@ from planner.units import rank_chunks, unit_sizes
 from trainer.config.schema import TrainConfig
 from trainer.observability.flops import training_flops_per_token
 
-# Bytes an fp32 Adam step moves per parameter, as torch's foreach kernels run it: lerp_ (first moment),
-# mul_ and addcmul_ (second), sqrt, div and add (the denominator), addcdiv_ (the update): 11 reads, 7 writes.
-ADAM_BYTES = 18 * 4
+# Bytes an fp32 AdamW step moves per parameter (trainer/optimizer.py). Op by op: mul_ (the decay), lerp_
+# (first moment), mul_ and addcmul_ (second), sqrt, div and add_ (the denominator), addcdiv_ (the
+# update): 12 reads, 8 writes. optim.fused: parameter, gradient and both moments read once, three written.
+ADAM_BYTES = {False: 20 * 4, True: 7 * 4}
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,15 @@ def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtyp
     return block, head, attention_s
 
 
+def _activation_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -> int:
+    """One microbatch's hidden states on a rank (its CP share of the sequence, full width)."""
+    return cfg.microbatch_size * cfg.seq_len // dims.cp * cfg.model.dim * dtype_bytes
+
+
 def _exchange_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int, attention_s: float) -> float:
     """Seconds of a block's TP and CP exchanges in one forward (the backward's mirror them)."""
     m, tp, cp, mb = cfg.model, dims.tp, dims.cp, cfg.microbatch_size
-    activation = mb * cfg.seq_len // cp * m.dim * dtype_bytes
+    activation = _activation_bytes(cfg, dims, dtype_bytes)
     exchange = 0.0
     if tp > 1:  # two gathers and two reduce-scatters (SP) or two all-reduces, each of an activation's (tp-1)/tp
         exchange += _transfer_s(device, tp, 4 * activation * (tp - 1) / tp, 4 if m.sequence_parallel else 2)
@@ -122,7 +128,7 @@ def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_by
     replicas = {k: _transfer_s(device, replica_span, 2 * n / world * reduce_bytes * (r - 1) / r, replicated)
                 for k, n in numel.items()}
     # Neighbouring pipeline stages are world / pp ranks apart.
-    activation = cfg.microbatch_size * cfg.seq_len // cp * m.dim * dtype_bytes
+    activation = _activation_bytes(cfg, dims, dtype_bytes)
     hop = _transfer_s(device, dims.world_size // dims.pp + 1, activation / (tp if m.sequence_parallel and tp > 1 else 1))
     return _Costs(block_forward, head_forward, exchange, recompute, gather, reduce, replicas, numel, hop)
 
@@ -192,7 +198,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     compute = sum(w for a, w in computing.items() if a.rank == slowest) * microbatches / simulated
     exchange = 2 * c.exchange * microbatches * sum(k.count("block") for k in kinds[slowest])
     shard_elements = sum(c.numel[kind] for chunk in kinds[slowest] for kind in chunk) / (dims.dp_shard * dims.cp)
-    optimizer = shard_elements * ADAM_BYTES / (device.hbm_gbps * 1e9)
+    optimizer = shard_elements * ADAM_BYTES[cfg.optim.fused] / (device.hbm_gbps * 1e9)
     drain = c.reduce["block"] + c.replicas["block"]
     step = makespan + optimizer + drain
     cores = oversubscribed_cores(device, dims.world_size)

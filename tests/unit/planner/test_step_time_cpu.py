@@ -7,6 +7,7 @@ import pytest
 
 from parallel.launch_env import LaunchEnv
 from planner.config import compose_config
+from planner.cpu_profile import gemm_curve
 from planner.devices import DeviceProfile
 from planner.dry_run import planned_world
 from planner.step_time import compute_lower_bound, predict
@@ -41,3 +42,16 @@ def test_ranks_sharing_cores_take_at_least_all_ranks_work_over_the_cores(overrid
     assert one_core > alone
     if dims.pp == 1:  # four equal ranks' compute, one after another on the one core
         assert one_core >= 4 * compute_lower_bound(cfg, dims, CPU, 4)
+
+
+def test_the_gemm_curve_fit_recovers_its_peak_and_half_size():
+    peak, half = 2e11, 48
+    assert gemm_curve({rows: peak * rows / (rows + half) for rows in (16, 64, 256, 512)}) == (pytest.approx(peak), half)
+    # Throughput growing faster than rows: no positive peak fits, so the largest measured is the peak.
+    assert gemm_curve({16: 1e10, 512: 4e11}) == (4e11, 0)
+
+
+def test_the_fused_optimizer_is_priced_at_fewer_bytes():
+    cfg, dims = layout("batch_size=2")
+    fused, _ = layout("batch_size=2", "optim.fused=true")
+    assert predict(fused, dims, CPU, 4).parts["optimizer"] < predict(cfg, dims, CPU, 4).parts["optimizer"]
