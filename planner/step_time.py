@@ -187,7 +187,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
         return seconds
 
     timeline = simulate(pipeline_actions(cfg.pipeline_schedule, pp, vpp, simulated), pp, vpp, cost,
-                        sends_block=False, backend="nccl")
+                        sends_block=False)
     # Past the simulated microbatches every rank repeats its steady forward and backward.
     steady = {r: sum(_unit_times(c, k, op, cfg, False, False, overlap)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
               for r in range(pp)}

@@ -22,7 +22,10 @@ soon as it is handed to its send (the autograd node stays for the backward, as M
 deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
 communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held at once in a step.
 
-A batch goes out as one call per channel (see channels.py), so that on NCCL no receive waits for a send.
+Receives go out one batch ahead: each batch posts the next batch's receives (buffers for one batch,
+whatever M), so a peer's send finds its receive posted. Receives and sends are posted in calls of their
+own, one per channel (see channels.py): on NCCL, where a call is one work, no receive waits for a send,
+and a channel's works, which run in order on one stream, only receive or only send.
 """
 
 import time
@@ -88,6 +91,7 @@ class PipelineRuntime:
         self._inbox: dict[tuple, torch.Tensor] = {}  # received or handed over, by transfer key
         self._outbox: dict[tuple, torch.Tensor] = {}  # waiting for their SEND
         self._sending: list[tuple[Work, torch.Tensor, ProcessGroup]] = []  # posted sends, waited at the next batch
+        self._receiving: dict[tuple, tuple[torch.Tensor, Work, ProcessGroup, str]] = {}  # posted receives, by key
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output)
         # Set to a list to record (first action, wall-clock start, end) of every step: measured bubbles.
         self.trace: list[tuple[Action, float, float]] | None = None
@@ -109,17 +113,19 @@ class PipelineRuntime:
         self._wait_sends()
         for root in self.roots:
             root.clear_microbatch()
-        if self._saved or self._inbox or self._outbox or self._weight_work:
+        if self._saved or self._inbox or self._outbox or self._receiving or self._weight_work:
             raise RuntimeError(f"pipeline rank {self.rank}: the program left tensors behind (a schedule bug)")
 
     def _run_steps(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
                    keep_for_backward: bool) -> None:
+        batches = [step for step in steps if not step[0].is_compute]
+        following = dict(zip(map(id, batches), batches[1:]))
         for step in steps:
             a, start = step[0], time.time()
             if self.num_stages > 1:
                 comm.set_where("stage", f"pipeline {' '.join(map(str, step))}")
             if not a.is_compute:
-                self._exchange(step)
+                self._exchange(step, following.get(id(step), []))
             elif a.op == FORWARD:
                 with record_function(str(a)):
                     self._forward(a, inputs, loss, chunk_kwargs, keep_for_backward)
@@ -210,29 +216,42 @@ class PipelineRuntime:
             comm.wait(work, "send", group)
         self._sending.clear()
 
-    def _exchange(self, batch: list[Action]) -> None:
-        """Post the batch; wait for its receives only. A send's tensor is never written again, so its
-        wait can be deferred (to the next batch) and the rank computes on meanwhile (as
-        torch.distributed.pipelining does); the posting order, which is what must match, is unchanged."""
+    def _exchange(self, batch: list[Action], following: list[Action]) -> None:
+        """Post the batch's sends and the rank's next batch's receives; wait for this batch's receives
+        only. A receive posted ahead lets the peer's send go out as soon as it is posted (gloo moves the
+        data once the receive is posted: posted at the wait, the round trip needs the sender's
+        communication thread, which on a busy core waits for the scheduler). A send's tensor is never
+        written again, so its wait is deferred to the next batch and the rank computes meanwhile. The
+        order of posting on each channel, which is what must match, is the program's."""
         self._wait_sends()
-        received, receiving = {}, []
+        self._post(batch, receives=False)
+        self._post(batch, receives=True)  # unless posted ahead (the first batch)
+        self._post(following, receives=True)
+        for a in batch:
+            if a.op in (RECV_F, RECV_B):
+                key = transfer_key(a, self.pp, self.num_stages)
+                tensor, work, group, label = self._receiving.pop(key)
+                comm.wait(work, "recv", group, label)
+                self._inbox[key] = tensor
+
+    def _post(self, batch: list[Action], receives: bool) -> None:
+        """Post a batch's receives or its sends, one call per channel; receives already posted are skipped."""
         for channel, actions in split_batch(batch, self.pp, len(self.chunks), len(self.channels)):
-            group, ops = self.channels[channel], []
+            group, ops, keys = self.channels[channel], [], []
             for a in actions:
                 key = transfer_key(a, self.pp, self.num_stages)
-                if a.op in (RECV_F, RECV_B):
-                    tensor = received[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    ops.append((False, tensor, a.peer))
+                if (a.op in (RECV_F, RECV_B)) != receives or key in self._receiving:
+                    continue
+                keys.append(key)
+                if receives:
+                    ops.append((False, torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
                 else:
                     ops.append((True, self._outbox.pop(key), a.peer))
+            if not ops:
+                continue
             label = " ".join(str(a) for a in actions)  # e.g. "r1 SEND_F c0 m3 -> r2"
-            for (is_send, tensor, _), work in zip(ops, comm.batch_isend_irecv(ops, group, label)):
-                if is_send:
-                    self._sending.append((work, tensor, group))  # the tensor must outlive the send
+            for key, (_, tensor, _), work in zip(keys, ops, comm.batch_isend_irecv(ops, group, label)):
+                if receives:
+                    self._receiving[key] = (tensor, work, group, label)
                 else:
-                    receiving.append((work, group, label))
-        # Every call is posted before any receive is waited: on NCCL a later call would otherwise queue
-        # behind the wait (its stream waits for the compute stream's work at posting).
-        for work, group, label in receiving:
-            comm.wait(work, "recv", group, label)
-        self._inbox.update(received)
+                    self._sending.append((work, tensor, group))  # the tensor must outlive the send

@@ -4,12 +4,12 @@ No process group is needed. Each rank executes its program in order; a compute a
 a communication batch posts all its operations when the rank reaches it and completes when every
 operation's counterpart has been posted by its peer (plus the p2p cost). By default the rank waits for
 that (`sends_block=True`): a send waits for its receive, the strictest semantics, so a program that
-completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does: it
-waits for a batch's receives only, and for its sends at its next batch, before posting that one. On
-`backend="nccl"` the runtime posts a batch as one call per channel (channels.py) and each call is one
-work, so waiting a receive waits the rest of its call; on "gloo" each operation is its own work. (NCCL
-also runs a communicator's works in order on one stream; as the runtime waits every work of a batch
-before posting the next, a work always finds its stream free.) A cost function prices a backward's two
+completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does, the
+same on NCCL and gloo: at each batch it waits for the previous batch's sends, posts this batch's sends
+and the next batch's receives (ahead of time), and waits for this batch's receives only. (The runtime
+posts receives and sends in calls of their own, one per channel, so on NCCL, whose calls are one work
+each, waiting a receive waits only receives of the same batch; a channel's works run in order, which a
+transfer cost per operation, equal for all, never makes bind.) A cost function prices a backward's two
 halves apart, B (the input gradient) and W (the weight gradients); a program without W actions runs both
 halves in its B. The simulation also checks that every compute finds its input already
 there and every send is received, so it validates the schedule it times.
@@ -19,7 +19,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, stage_of, transfer_key, upstream,
 )
@@ -84,15 +83,13 @@ class Timeline:
 
 
 class _Simulation:
-    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool,
-                 backend: str):
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend={backend} is not one of: nccl | gloo")
+    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool):
         self.pp, self.vpp, self.num_stages, self.cost, self.sends_block = pp, vpp, pp * vpp, cost, sends_block
-        self.channels = channel_count(pp, vpp) if backend == "nccl" else None
         self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
         self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
         self.steps = [batched(list(p)) for p in programs]
+        # Per rank and step: the rank's next communication batch after it, whose receives go out ahead.
+        self.following = [_following_batches(steps) for steps in self.steps]
         self.position, self.clock = [0] * pp, [0.0] * pp
         self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
         self.posted: dict[tuple, float] = {}  # (key, is_send) -> time posted
@@ -149,28 +146,25 @@ class _Simulation:
         return True
 
     def _transfer(self, rank: int, batch: list[Action]) -> bool:
-        ops = [((transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")), a) for a in batch]
+        ops = self._operations(batch)
         if not self.sends_block:  # the runtime waits the previous batch's sends before posting
             if not self._wait(rank, self.unwaited[rank]):
                 return False
             self.unwaited[rank] = []
-        for op, _ in ops:
+        ahead = [] if self.sends_block else self._operations(self.following[rank][self.position[rank]])
+        for op, _ in ops + [op for op in ahead if not op[0][1]]:
             self.posted.setdefault(op, self.clock[rank])
-        waited = ops if self.sends_block else self._waited_with_receives(batch, ops)
+        waited = ops if self.sends_block else [op for op in ops if not op[0][1]]
         if not self._wait(rank, waited):
             return False
         if not self.sends_block:
-            self.unwaited[rank] = [op for op in ops if op not in waited]
+            self.unwaited[rank] = [op for op in ops if op[0][1]]
         self.available[rank].update(k for (k, is_send), _ in ops if not is_send)
         return True
 
-    def _waited_with_receives(self, batch: list[Action], ops: list[tuple]) -> list[tuple]:
-        """What waiting a batch's receives waits: the receives (gloo), or every call holding one (NCCL)."""
-        if self.channels is None:
-            return [op for op in ops if not op[0][1]]
-        receiving = {a for _, call in split_batch(batch, self.pp, self.vpp, self.channels)
-                     if any(a.op.startswith("RECV") for a in call) for a in call}
-        return [op for op in ops if op[1] in receiving]
+    def _operations(self, batch: list[Action]) -> list[tuple]:
+        """((transfer key, is a send), action) of each of a batch's operations."""
+        return [((transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")), a) for a in batch]
 
     def _wait(self, rank: int, ops: list[tuple]) -> bool:
         """Whether every op's counterpart is posted; if so the rank's clock moves to their completion."""
@@ -181,10 +175,19 @@ class _Simulation:
         return True
 
 
-def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True,
-             backend: str = "nccl") -> Timeline:
+def _following_batches(steps: list[list[Action]]) -> list[list[Action]]:
+    """For each step, the first communication batch after it (empty when none follows)."""
+    following, upcoming = [], []
+    for step in reversed(steps):
+        following.append(upcoming)
+        if not step[0].is_compute:
+            upcoming = step
+    return following[::-1]
+
+
+def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True) -> Timeline:
     """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
-    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, backend).run()
+    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block).run()
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:

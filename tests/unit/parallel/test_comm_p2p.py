@@ -41,7 +41,7 @@ def test_a_pipeline_receive_after_a_send_is_waited_on_a_coalescing_backend(coale
     runtime = PipelineRuntime(program, 2, [torch.nn.Identity(), torch.nn.Identity()], [None, None],
                               comm.dist.group.WORLD, (2,), torch.float32, torch.device("cpu"))
     runtime._outbox[(BACKWARD, 1, 0)] = torch.zeros(2)
-    runtime._exchange([Action(0, SEND_B, 1, 0, peer=1), Action(0, RECV_F, 1, 0, peer=1)])
+    runtime._exchange([Action(0, SEND_B, 1, 0, peer=1), Action(0, RECV_F, 1, 0, peer=1)], [])
     assert coalescing_backend.waits >= 1
     assert (FORWARD, 2, 0) in runtime._inbox
 

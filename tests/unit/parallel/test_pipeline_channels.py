@@ -1,6 +1,7 @@
 """Pipeline transfers spread over channels (communicators over the same ranks): on each channel a rank
 only sends or only receives, the two ends of a channel post their transfers in the same order, and the
-runtime posts exactly the calls the simulator's NCCL mode times (one coalesced work per call)."""
+runtime posts each call with only sends or only receives, the receives a batch ahead, as the simulator
+times it."""
 
 import itertools
 from types import SimpleNamespace
@@ -54,10 +55,11 @@ class _Work:
         return True
 
 
-def test_the_runtime_posts_one_call_per_channel_and_waits_receives_after_posting_all(world, monkeypatch):
-    """A coalescing backend (NCCL's one work per call), channels as distinct groups: the runtime's calls
-    are split_batch's, in order, each on its channel's group, and a batch's receives are waited only
-    once all its calls are posted (on NCCL a wait first would hold back the later calls)."""
+def test_the_runtime_posts_receives_a_batch_ahead_in_calls_of_their_own(world, monkeypatch):
+    """A coalescing backend (NCCL's one work per call), channels as distinct groups: at each batch the
+    runtime posts the batch's sends, one call per channel, then the next batch's receives (the first
+    batch's own before), each call only sending or only receiving, each on its channel's group; a
+    batch's receives are waited only after the next batch's are posted."""
     log, posted = [], []
 
     def coalescing(p2p):
@@ -81,15 +83,28 @@ def test_the_runtime_posts_one_call_per_channel_and_waits_receives_after_posting
                                       channels)
             log.clear(), posted.clear()
             runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
-            expected = [(channels[c], [(a.op.startswith("SEND"), a.peer) for a in call])
-                        for c, call in _calls(program, pp, vpp)]
+            expected, batch_of = [], []
+            batches = _transfer_steps(program)
+            for b, batch in enumerate(batches):
+                receives_of = [b] if b == 0 else []
+                for index, sends in [(b, True)] + [(k, False) for k in receives_of + [b + 1] if k < len(batches)]:
+                    for c, call in _one_kind(batches[index], sends, pp, vpp, len(channels)):
+                        expected.append((channels[c], [(sends, a.peer) for a in call]))
+                        batch_of.append(index)
             assert posted == expected, (pp, vpp, rank)
-            batch_of = [b for b, step in enumerate(_transfer_steps(program))
-                        for _ in split_batch(step, pp, vpp, len(channels))]
             for i, (event, call) in enumerate(log):
-                if event == "wait" and posted[call][1][0][0] is False:  # a receive waited
-                    later = [c for e, c in log[i:] if e == "post"]
-                    assert all(batch_of[c] != batch_of[call] for c in later), (pp, vpp, rank, call)
+                if event == "wait" and not posted[call][1][0][0]:  # a receive of batch_of[call] waited
+                    ahead = [c for e, c in log[:i] if e == "post" and batch_of[c] == batch_of[call] + 1]
+                    following = [c for c, b in enumerate(batch_of) if b == batch_of[call] + 1 and not posted[c][1][0][0]]
+                    assert ahead == following, (pp, vpp, rank, call)
+
+
+def _one_kind(batch, sends: bool, pp: int, vpp: int, channels: int):
+    """A batch's sends (or receives) as the runtime's calls: (channel, actions)."""
+    for c, call in split_batch(batch, pp, vpp, channels):
+        mine = [a for a in call if a.op.startswith("SEND") == sends]
+        if mine:
+            yield c, mine
 
 
 def _transfer_steps(program):
