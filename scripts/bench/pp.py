@@ -22,8 +22,10 @@ slowest rank's (a barrier before each step); the table gives medians, and ratios
 rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
 beside the simulator's for the same program in the runtime's mode (sends waited at the next batch,
-gloo), with each rank's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p. Peak p2p: the most
-bytes of outgoing tensors our runtime held at once on any rank.
+gloo), with each chunk's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p,
+and beside torch's, from its stages' forward, backward and weight-gradient calls (its loss, about a
+millisecond per microbatch, runs outside them). Peak p2p: the most bytes of outgoing tensors our runtime
+held at once on any rank.
 
     python scripts/bench/pp.py [--model small] [--seq 128] [--rounds 5] [--steps-per-round 2] [--quick]
 """
@@ -51,7 +53,7 @@ from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.channels import channel_count  # noqa: E402
 from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from parallel.pipeline.schedule import pipeline_actions  # noqa: E402
+from parallel.pipeline.schedule import Action, pipeline_actions  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
@@ -98,11 +100,13 @@ def plain_chunks(cfg: TrainConfig, rank: int) -> list[torch.nn.Module]:
     return chunks
 
 
-def plain_grads(chunks: list[torch.nn.Module]) -> Grads:
-    grads = {f"{c}.{n}": p.grad.clone() for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-    for chunk in chunks:
-        chunk.zero_grad(set_to_none=True)
-    return grads
+def take_plain_grads(chunks: list[torch.nn.Module], grads: Grads | None) -> None:
+    """Hand the step's gradients over into `grads` (when asked for) and clear them for the next step."""
+    for c, chunk in enumerate(chunks):
+        for n, p in chunk.named_parameters():
+            if grads is not None:
+                grads[f"{c}.{n}"] = p.grad
+            p.grad = None
 
 
 class GradSinks:
@@ -179,9 +183,7 @@ class Ours:
         if self.sinks and self.sinks.calls - calls != len(self.sinks.weights) * self.m:
             raise RuntimeError(f"zb_h1: W ran {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
                                f"weight and microbatch ({len(self.sinks.weights)} x {self.m})")
-        fresh = plain_grads(self.chunks)
-        if grads is not None:
-            grads.update(fresh)
+        take_plain_grads(self.chunks, grads)
         return total[0]
 
 
@@ -194,6 +196,10 @@ class Torch:
         self.data = RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size)
         self.first, self.last = rank == 0, rank == pp - 1
         stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]
+        # Set to a list to record (action, start, end) of every compute, as our runtime's trace does.
+        self.trace: list[tuple[Action, float, float]] | None = None
+        for c, stage in enumerate(stages):
+            self._traced(stage, c)
         global_tokens, m = cfg.num_microbatches * cfg.seq_len, cfg.num_microbatches
         loss = lambda logits, targets: token_loss_sum(logits, targets) / global_tokens  # noqa: E731
         if cfg.pipeline_schedule == "zb_h1":  # ZB1P; with one stage per rank, ZB-H1's layout
@@ -202,6 +208,20 @@ class Torch:
             self.schedule = Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False)
         else:
             self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss, scale_grads=False)
+
+    def _traced(self, stage: PipelineStage, chunk: int) -> None:
+        """Wrap the stage's forward, backward and weight-gradient calls to record them when tracing."""
+        for op, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
+            call = getattr(stage, name)
+
+            def traced(mb: int, *args, call=call, op=op, **kwargs):
+                start = time.time()
+                out = call(mb, *args, **kwargs)
+                if self.trace is not None:
+                    self.trace.append((Action(dist.get_rank(), op, chunk, mb), start, time.time()))
+                return out
+
+            setattr(stage, name, traced)
 
     @staticmethod
     def _stage(cfg: TrainConfig, chunk: torch.nn.Module, index: int, num_stages: int) -> PipelineStage:
@@ -218,9 +238,7 @@ class Torch:
         args = (tokens[:, :-1],) if self.first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
         self.schedule.step(*args, **kwargs)
-        fresh = plain_grads(self.chunks)
-        if grads is not None:
-            grads.update(fresh)
+        take_plain_grads(self.chunks, grads)
         return sum(loss.item() for loss in losses) * self.data.microbatches * self.data.seq if self.last else 0.0
 
 
@@ -233,15 +251,19 @@ def timed(runner, step: int) -> float:
 
 def measured_bubble(trace: list) -> tuple[float, CostFn]:
     """From every rank's trace: the idle share of each rank between the step's first start and last end,
-    averaged over ranks, and each rank's mean forward, backward (B) and weight-gradient (W) times as
+    averaged over ranks, and each chunk's mean forward, backward (B) and weight-gradient (W) times as
     simulator costs (stages differ: the first holds the embedding, the last the head and the loss)."""
     per_rank = comm.all_gather_object(trace, comm.world())
     start = min(s for t in per_rank for _, s, _ in t)
     makespan = max(e for t in per_rank for _, _, e in t) - start
     busy = [sum(e - s for a, s, e in t if a.is_compute) for t in per_rank]
-    means = {(rank, op): statistics.mean(e - s for a, s, e in t if a.op == op)
-             for rank, t in enumerate(per_rank) for op in ("F", "B", "W") if any(a.op == op for a, _, _ in t)}
-    return sum(1 - b / makespan for b in busy) / len(busy), lambda a: means.get((a.rank, a.op), 0.0)
+    spans: dict[tuple[int, int, str], list[float]] = {}
+    for t in per_rank:
+        for a, s, e in t:
+            if a.is_compute:
+                spans.setdefault((a.rank, a.chunk, a.op), []).append(e - s)
+    means = {key: statistics.mean(times) for key, times in spans.items()}
+    return sum(1 - b / makespan for b in busy) / len(busy), lambda a: means.get((a.rank, a.chunk, a.op), 0.0)
 
 
 def grad_rel_diff(a: Grads, b: Grads) -> float:
@@ -269,7 +291,7 @@ def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> 
             for side in range(r % len(SIDES), r % len(SIDES) + len(SIDES)):
                 side %= len(SIDES)
                 times[j][side].append([timed(runners[j][side], 1 + s) for s in range(k)])
-    return [_result(cfg, world, sides[0], t, check) for cfg, sides, t, check in zip(configs, runners, times, checks)]
+    return [_result(cfg, world, sides, t, check) for cfg, sides, t, check in zip(configs, runners, times, checks)]
 
 
 def _step_zero(sides) -> dict:
@@ -284,19 +306,22 @@ def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
     return statistics.median(statistics.median(x) / statistics.median(y) for x, y in zip(a, b))
 
 
-def _result(cfg: TrainConfig, world: int, ours: Ours, times: list, check: dict) -> dict:
-    ours.runtime.trace = []
+def _result(cfg: TrainConfig, world: int, sides: tuple, times: list, check: dict) -> dict:
+    ours, torch_side = sides[0], sides[1]
+    ours.runtime.trace = torch_side.trace = []
     ours.step(99)
     bubble, costs = measured_bubble(ours.runtime.trace)
-    ours.runtime.trace = None
+    torch_side.step(99)
+    torch_bubble, _ = measured_bubble(torch_side.trace)
+    ours.runtime.trace = torch_side.trace = None
     vpp = cfg.virtual_pipeline_stages
     program = pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches)
-    simulated = simulate(program, world, vpp, costs, sends_block=False, backend="gloo").bubble_fraction
+    simulated = simulate(program, world, vpp, costs, sends_block=False).bubble_fraction
     ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
     p2p = max(comm.all_gather_object(ours.runtime.peak_p2p_bytes, comm.world()))
     return {"schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,
             "vs_torch": _ratio(times[0], times[1]), "units": _ratio(times[2], times[0]),
-            "bubble": bubble, "simulated": simulated, "p2p_mib": p2p / 2**20, **check}
+            "bubble": bubble, "torch_bubble": torch_bubble, "simulated": simulated, "p2p_mib": p2p / 2**20, **check}
 
 
 def comm_sum(value: float) -> float:
@@ -319,14 +344,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, model={opts.model}, seq {opts.seq}, microbatch 1, fp32, CPU gloo, "
           f"pp={PP}, 1 thread/rank")
     print("| schedule | M | ours ms | torch ms | ours + units ms | ours / torch | units / ours | bubble measured | "
-          "bubble simulated | peak p2p MiB | loss rel diff | grad rel diff (torch, units) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "bubble simulated | torch bubble measured | peak p2p MiB | loss rel diff | grad rel diff (torch, units) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     diffs = []
     for r in spawn(PP, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round):
         diffs += [r["loss"], r["grad_torch"], r["grad_units"]]
         ms = r["ms"]
         print(f"| {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch']:.0f} | {ms['units']:.0f} | "
-              f"{r['vs_torch']:.3f} | {r['units']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | "
+              f"{r['vs_torch']:.3f} | {r['units']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | {r['torch_bubble']:.1%} | "
               f"{r['p2p_mib']:.2f} | {r['loss']:.1e} | {r['grad_torch']:.1e}, {r['grad_units']:.1e} |", flush=True)
     print("\n" + require_agreement("step-0 losses and gradients of ours, torch and ours + units", worst(diffs),
                                    rtol=1e-5))
