@@ -5,25 +5,15 @@ after an in-place update of the shard (an optimizer step), are the plain module'
 import copy
 
 import torch
-from torch import nn
 from torch.autograd.profiler import profile
 
 from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.fsdp.flat_param import unflatten
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+from tests.unit.parallel.toy_blocks import two_blocks
 
 
 def _models(world, **cfg):
-    torch.manual_seed(0)
-    reference = nn.Sequential(Block(), Block())
+    reference = two_blocks()
     model = copy.deepcopy(reference)
     return reference, model, fully_shard(model, ["0", "1"], world, None, FSDPConfig(**cfg))
 

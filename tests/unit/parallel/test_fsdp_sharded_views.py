@@ -10,20 +10,7 @@ from torch import nn
 
 from parallel.activation_checkpoint import checkpoint_forward
 from parallel.fsdp import FSDPConfig, fully_shard
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(Block(), Block())
+from tests.unit.parallel.toy_blocks import two_blocks
 
 
 def _shard(model: nn.Module, world, reshard_after_forward: bool):
@@ -31,7 +18,7 @@ def _shard(model: nn.Module, world, reshard_after_forward: bool):
 
 
 def test_a_sharded_units_parameters_are_shapes_without_values(world):
-    model = _model()
+    model = two_blocks()
     shapes = {n: p.shape for n, p in model.named_parameters()}
     _shard(model, world, reshard_after_forward=True)
     assert model[0].a.weight.is_meta and model[0].a.weight.shape == shapes["0.a.weight"]
@@ -45,7 +32,7 @@ def test_a_sharded_units_parameters_are_shapes_without_values(world):
 
 
 def test_an_unsharded_unit_shows_the_gathered_values(world):
-    reference = _model()
+    reference = two_blocks()
     model = copy.deepcopy(reference)
     _shard(model, world, reshard_after_forward=False)  # ZeRO-2: unsharded from the forward on
     with torch.no_grad():
@@ -57,7 +44,7 @@ def test_an_unsharded_unit_shows_the_gathered_values(world):
 def test_a_recompute_in_backward_reads_the_regathered_views(world):
     """checkpoint_forward recomputes a unit's forward in its backward from the module's attributes:
     under ZeRO-3 they are valid again once the backward re-gathers, and the gradients are exact."""
-    reference = _model()
+    reference = two_blocks()
     model = copy.deepcopy(reference)
     for block in model:
         checkpoint_forward(block)
