@@ -7,7 +7,10 @@
   per core (the latency), the same among two ranks per core (a rank that waits gives its core up
   and is woken at the scheduler's pace: several times slower), a large one between two ranks (the
   bandwidth).
-- Memory: a large copy (the optimizer's bandwidth) and the RAM over the cores.
+- Memory: a large copy (the optimizer's bandwidth), what a block's elementwise ops reach per byte the
+  step-time model counts for them (the model's RMSNorm and rotary, forward and backward under
+  autograd at one sequence's size: dispatch, broadcasts and reductions included) and the RAM over
+  the cores.
 """
 
 import json
@@ -21,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model.attention import apply_rotary
+from model.transformer import RMSNorm
 from parallel import comm
 
 GB = 1e9
@@ -36,6 +41,7 @@ def measure_cpu() -> dict:
     torch.set_num_threads(1)
     try:
         peak, half_size = gemm_curve({rows: _matmul_flops(rows) for rows in GEMM_ROWS})
+        elementwise_gbps = _elementwise_gbps()
         alone_s, shared_s, link_gbps = _gloo_links(cores)
     finally:
         torch.set_num_threads(threads)
@@ -44,7 +50,8 @@ def measure_cpu() -> dict:
     return {"memory_gib": ram_gib / cores, "bf16_tflops": tflops, "fp32_tflops": tflops, "fp8_tflops": tflops,
             "hbm_gbps": _copy_gbps(), "intra_node_gbps": link_gbps, "inter_node_gbps": link_gbps,
             "gpus_per_node": cores, "intra_node_latency_us": alone_s * 1e6, "inter_node_latency_us": alone_s * 1e6,
-            "shared_core_latency_us": shared_s * 1e6, "gemm_efficiency": 1.0, "gemm_half_size": half_size}
+            "shared_core_latency_us": shared_s * 1e6, "gemm_efficiency": 1.0, "gemm_half_size": half_size,
+            "elementwise_gbps": elementwise_gbps}
 
 
 def gemm_curve(flops_per_s: dict[int, float]) -> tuple[float, int]:
@@ -77,6 +84,27 @@ def _copy_gbps() -> float:
     for _ in range(4):
         y.copy_(x)
     return 2 * x.numel() * 4 * 4 / (time.perf_counter() - start) / GB
+
+
+def _elementwise_gbps() -> float:
+    """Bytes per second of the model's RMSNorm and rotary over 128 tokens at dim 512 (8 heads of 64),
+    forward and backward, counted as step_time.BLOCK_ELEMENTS counts them (7 and 10 elements per element
+    forward, the backward twice that)."""
+    rows, dim, heads = 128, 512, 8
+    norm = RMSNorm(dim, 1e-5)
+    x = torch.randn(1, rows, dim, requires_grad=True)
+    cos, sin = torch.randn(rows, dim // heads), torch.randn(rows, dim // heads)
+
+    def forward_backward() -> None:
+        q = norm(x).view(1, rows, heads, dim // heads).transpose(1, 2)
+        apply_rotary(q, cos, sin).sum().backward()
+
+    forward_backward()
+    reps = 50
+    start = time.perf_counter()
+    for _ in range(reps):
+        forward_backward()
+    return 3 * (7 + 10) * rows * dim * 4 * reps / (time.perf_counter() - start) / GB
 
 
 def _gloo_links(cores: int) -> tuple[float, float, float]:

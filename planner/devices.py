@@ -1,5 +1,6 @@
 """Device profiles (conf/device/<name>.yaml): memory, dense bf16 / fp8 throughput and how much of it a
-GEMM of a given size reaches, HBM bandwidth, the per-GPU bandwidth and latency of the links inside a node
+GEMM of a given size reaches, HBM bandwidth (and what elementwise ops reach, where it differs), the
+per-GPU bandwidth and latency of the links inside a node
 and between nodes, whether communication overlaps compute, and GPUs per node. GPUs come from their
 published numbers; `cpu` is measured on the spot (planner/cpu_profile.py), one device per core. More CPU
 ranks than cores share them (step_time.py).
@@ -34,6 +35,9 @@ class DeviceProfile:
     gemm_half_size: int  # the GEMM rows or width at which half of that is lost
     overlaps_communication: bool  # False: a collective's time adds to the compute's (gloo on shared cores)
     shared_core_latency_us: float | None = None  # a CPU's collective latency with two ranks per core
+    # What an elementwise op (a norm, an add) reaches on activation-sized tensors; None: hbm_gbps (a
+    # GPU's activations do not fit its caches; a CPU's may, and it pays a dispatch per op).
+    elementwise_gbps: float | None = None
 
     def latencies_for(self, ranks: int) -> "DeviceProfile":
         """The profile as `ranks` ranks see it: where they outnumber a CPU's cores, a rank that waits
@@ -46,6 +50,10 @@ class DeviceProfile:
 
     def without_latency(self) -> "DeviceProfile":
         return replace(self, intra_node_latency_us=0.0, inter_node_latency_us=0.0, shared_core_latency_us=0.0)
+
+    @property
+    def elementwise_bytes_per_s(self) -> float:
+        return (self.elementwise_gbps or self.hbm_gbps) * GB
 
     @property
     def memory_bytes(self) -> int:

@@ -5,9 +5,11 @@ and its FSDP traffic: the larger of the two where the device overlaps them (a GP
 all-gather is prefetched while this one computes; reductions run behind the backward), their sum where
 it does not (gloo's threads on the cores the compute runs on):
 
-    compute     TP-local GEMM FLOPs / (peak x the profile's efficiency at the GEMM's smaller side), the
-                backward twice the forward, plus the recomputed forward of layer_ckpt; TP's and CP's
-                exchanges are added (they sit between the GEMMs); CP's ring overlaps its attention
+    compute     TP-local GEMM FLOPs / (peak x the profile's efficiency at the GEMM's smaller side), plus
+                the bytes the other ops (norms, rotary, SwiGLU's product, residual adds, the loss's
+                softmax) read and write over the profile's elementwise bandwidth; the backward twice
+                the forward, plus the recomputed forward of layer_ckpt; TP's and CP's exchanges are
+                added (they sit between the GEMMs); CP's ring overlaps its attention
     FSDP        the unit's all-gather (every microbatch under reshard_after_forward, else the first)
                 and, on a reducing microbatch, its reduce-scatter and HSDP's all-reduce
     links       every collective and transfer costs the link's latency plus its bytes over the link's
@@ -34,6 +36,15 @@ from trainer.observability.flops import training_flops_per_token
 # (first moment), mul_ and addcmul_ (second), sqrt, div and add_ (the denominator), addcdiv_ (the
 # update): 12 reads, 8 writes. optim.fused: parameter, gradient and both moments read once, three written.
 ADAM_BYTES = {False: 20 * 4, True: 7 * 4}
+# Elements a block's forward reads and writes per token outside its GEMMs and attention, by width: dim
+# (the norms' and residual adds' rows), q and kv (the TP-local rotated widths), hidden (TP-local SwiGLU).
+# Eager, each op reads its inputs and writes its output once: two RMSNorms (square, mean, scale, weight:
+# 7 each), two residual adds (3 each), rotary on q and k (negate, concatenate, two products, a sum: 10
+# each), the attention output's transpose copy (2 on q), silu and the gate product (5). compile=true fuses
+# each norm, add, rotary and SwiGLU into one pass over its inputs and outputs.
+BLOCK_ELEMENTS = {False: {"dim": 20, "q": 12, "kv": 10, "hidden": 5}, True: {"dim": 10, "q": 4, "kv": 2, "hidden": 3}}
+# The head's RMSNorm (as the block's) and the fp32 cross entropy's log-softmax over the TP-local vocabulary.
+HEAD_NORM_ELEMENTS, LOSS_ELEMENTS = {False: 7, True: 2}, 4
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,21 @@ def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtyp
     attention_s = attention / (attention_peak * device.efficiency(rows, m.head_dim))
     block = gemms / (peak * device.efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)) + attention_s
     head = rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes) * device.efficiency(rows, m.vocab_size // tp))
-    return block, head, attention_s
+    block_bytes, head_bytes = _elementwise_bytes(cfg, dims, dtype_bytes)
+    return (block + rows * block_bytes / device.elementwise_bytes_per_s,
+            head + rows * head_bytes / device.elementwise_bytes_per_s, attention_s)
+
+
+def _elementwise_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -> tuple[float, float]:
+    """Bytes a block's and the head's forward move per token outside GEMMs and attention. Under sequence
+    parallelism the norms and residual adds see 1/tp of the tokens."""
+    m, tp = cfg.model, dims.tp
+    dim = m.dim / tp if m.sequence_parallel and tp > 1 else m.dim
+    widths = {"dim": dim, "q": m.n_heads * m.head_dim / tp, "kv": m.n_kv_heads * m.head_dim / tp,
+              "hidden": m.ffn_hidden_dim / tp}
+    block = sum(count * widths[width] for width, count in BLOCK_ELEMENTS[cfg.compile].items()) * dtype_bytes
+    head = HEAD_NORM_ELEMENTS[cfg.compile] * dim * dtype_bytes + LOSS_ELEMENTS * m.vocab_size / tp * 4
+    return block, head
 
 
 def _activation_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -> int:

@@ -79,7 +79,7 @@ def measure_and_predict(folder: Path) -> dict[str, tuple[float, float]]:
     device = load_device("cpu")
     print(f"cpu profile: {device.fp32_tflops * 1e3:.1f} GFLOP/s per core, {device.gpus_per_node} cores, gloo "
           f"latency {device.intra_node_latency_us / 1e3:.2f} ms ({device.shared_core_latency_us / 1e3:.2f} ms with "
-          f"two ranks per core), {device.intra_node_gbps:.2f} GB/s")
+          f"two ranks per core), {device.intra_node_gbps:.2f} GB/s, elementwise ops {device.elementwise_gbps:.0f} GB/s")
     return {name: (measured_step_s(folder / name, overrides), predicted_step_s(overrides, device))
             for name, overrides in LAYOUTS.items()}
 

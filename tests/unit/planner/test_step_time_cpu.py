@@ -55,3 +55,21 @@ def test_the_fused_optimizer_is_priced_at_fewer_bytes():
     cfg, dims = layout("batch_size=2")
     fused, _ = layout("batch_size=2", "optim.fused=true")
     assert predict(fused, dims, CPU, 4).parts["optimizer"] < predict(cfg, dims, CPU, 4).parts["optimizer"]
+
+
+def test_a_blocks_elementwise_ops_are_priced_at_their_bytes_over_the_elementwise_bandwidth():
+    """model=small (dim 512, 8 heads and 4 KV heads of 64, hidden 1408, vocab 8192), 128 tokens per
+    microbatch, fp32, one rank: eager, a block's forward moves 20 x 512 + 12 x 512 + 10 x 256 + 5 x 1408
+    elements per token, the head 7 x 512 plus the loss's 4 x 8192 (fp32), so the busiest rank's compute
+    grows by 3 x 128 x (8 blocks x that + the head) x 4 bytes over the bandwidth (the backward twice the
+    forward). compile=true fuses them into fewer passes."""
+    cfg, dims = layout("batch_size=1")
+    without = compute_lower_bound(cfg, dims, dataclasses.replace(CPU, elementwise_gbps=1e12), 4)
+    base = compute_lower_bound(cfg, dims, dataclasses.replace(CPU, elementwise_gbps=1.0), 4)
+    block, head = (20 * 512 + 12 * 512 + 10 * 256 + 5 * 1408) * 4, 7 * 512 * 4 + 4 * 8192 * 4
+    expected = 3 * 128 * (8 * block + head) / 1e9
+    assert base - without == pytest.approx(expected, rel=1e-6)
+    compiled, _ = layout("batch_size=1", "compile=true")
+    assert compute_lower_bound(compiled, dims, dataclasses.replace(CPU, elementwise_gbps=1.0), 4) < base
+    # Without a measured elementwise bandwidth, a profile prices them at its HBM bandwidth.
+    assert CPU.elementwise_bytes_per_s == CPU.hbm_gbps * 1e9
