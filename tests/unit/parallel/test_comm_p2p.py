@@ -65,11 +65,12 @@ def _runtime(schedule: str, pp: int, vpp: int, m: int, rank: int, chunk=None):
                            comm.dist.group.WORLD, (2, 4), torch.float32, torch.device("cpu"))
 
 
-def _held(runtime, sent: list, freed: list) -> tuple[int, int, int]:
-    """Run a step; (the runtime's peak of outgoing tensors and bytes, the most sent tensors alive at once).
-    `freed` gets, per forward whose output is sent, whether that output's storage is empty."""
-    alive = [0]
-    post, forward = comm.batch_isend_irecv, runtime._forward
+def _held(runtime, sent: list, freed: list) -> tuple[int, int, int, int]:
+    """Run a step; (the runtime's peak of outgoing tensors and bytes, the most sent tensors alive at once,
+    the most receive buffers posted ahead while the rank computes). `freed` gets, per forward whose
+    output is sent, whether that output's storage is empty."""
+    alive, ahead = [0], [0]
+    post, forward, exchange = comm.batch_isend_irecv, runtime._forward, runtime._exchange
 
     def posting(ops, group, label=""):
         works = post(ops, group, label)
@@ -81,18 +82,31 @@ def _held(runtime, sent: list, freed: list) -> tuple[int, int, int]:
         if a.chunk * runtime.pp + a.rank < runtime.num_stages - 1:
             freed.append(runtime._saved[(a.chunk, a.microbatch)][1].untyped_storage().nbytes() == 0)
 
-    comm.batch_isend_irecv, runtime._forward = posting, forwarding
+    def exchanging(batch, following):
+        exchange(batch, following)
+        ahead[0] = max(ahead[0], len(runtime._receiving))
+
+    comm.batch_isend_irecv, runtime._forward, runtime._exchange = posting, forwarding, exchanging
     try:
         runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
     finally:
         comm.batch_isend_irecv = post
     assert all(ref() is None for ref in sent)  # every sent tensor is released by the step's end
-    return runtime.peak_p2p_tensors, runtime.peak_p2p_bytes, alive[0]
+    assert not runtime._receiving  # every receive posted ahead was waited
+    return runtime.peak_p2p_tensors, runtime.peak_p2p_bytes, alive[0], ahead[0]
+
+
+def _widest_receive(schedule: str, pp: int, vpp: int, m: int, rank: int) -> int:
+    from parallel.pipeline.schedule import batched, schedule_actions
+
+    steps = batched(schedule_actions(schedule, pp, vpp, m, rank))
+    return max(sum(a.op.startswith("RECV") for a in step) for step in steps)
 
 
 def test_the_p2p_memory_of_a_rank_does_not_grow_with_the_microbatch_count(world, monkeypatch):
-    """Sends are waited at the rank's next batch with the same peer and their tensors dropped, and a
-    stage output's data is freed once handed to its send: M=16 holds what M=4 holds."""
+    """Sends are waited at the rank's next batch with the same peer and their tensors dropped, a stage
+    output's data is freed once handed to its send: M=16 holds the outgoing tensors M=4 holds; receives
+    are posted one batch ahead, as many buffers as a batch receives, which stops growing with M."""
     import weakref
 
     sent: list = []
@@ -106,8 +120,12 @@ def test_the_p2p_memory_of_a_rank_does_not_grow_with_the_microbatch_count(world,
     for schedule, pp, vpp in (("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)):
         for rank in range(pp):
             held = [_held(_runtime(schedule, pp, vpp, m, rank), sent, freed) for m in (4, 16)]
-            assert held[0] == held[1], (schedule, pp, vpp, rank, held)
+            assert held[0][:3] == held[1][:3], (schedule, pp, vpp, rank, held)
             assert held[0][0] <= 2 and held[0][1] == held[0][0] * 2 * 4 * 4, (schedule, pp, vpp, rank, held)
+            # Buffers ahead: at most the largest batch's receives, which stops growing with M.
+            widest = [_widest_receive(schedule, pp, vpp, m, rank) for m in (4, 16, 64)]
+            assert widest[1] == widest[2] <= 3 and all(1 <= h[3] <= w for h, w in zip(held, widest)), (
+                schedule, pp, vpp, rank, held, widest)
     assert freed and all(freed)  # a sent output keeps its autograd node, not its data
 
 
