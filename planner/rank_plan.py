@@ -4,7 +4,8 @@ program's simulated bubble.
 
 Categories: what mem_snapshot_stop_step measures (memory.py), plus the buffers it does not see:
   reducing_gradients  the unsharded fp32 gradients of the reductions in flight
-  p2p_buffers         a pipeline stage's activation and gradient in transit (one of each)
+  p2p_buffers         a pipeline rank's tensors in transit: two outgoing (a send is waited at the next
+                      batch) and the receives posted a batch ahead (the program's widest batch)
   fp8_state           the fp8 GEMMs' amax histories and scales (buffers of the blocks, from the meta model)
   exchange_buffers    TP's gathered sequence (SP) and CP's gathered (or in-flight ring) keys and values
   recompute           activation checkpointing's recomputed block (full) or attention core (selective)
@@ -19,7 +20,7 @@ import torch
 from model.transformer import TransformerBlock
 from parallel.fsdp.flat_param import aliases_shard
 from parallel.mesh import ParallelDims
-from parallel.pipeline.schedule import effective_schedule, pipeline_actions
+from parallel.pipeline.schedule import RECV_B, RECV_F, Action, batched, effective_schedule, pipeline_actions
 from parallel.pipeline.simulate import Timeline, simulate, uniform_costs
 from parallel.tensor_parallel import TPContext
 from planner.activations import ActivationKey, ChunkActivations, chunk_activations
@@ -59,7 +60,7 @@ def fp8_state_bytes(model: ModelConfig, tp: int) -> int:
     return sum(b.numel() * b.element_size() for b in block.buffers())
 
 
-def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations) -> dict[str, int]:
+def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations, program: list[Action]) -> dict[str, int]:
     m, tp, cp, mb = cfg.model, cfg.model_parallel_size, cfg.context_parallel_size, cfg.microbatch_size
     size = dtype.itemsize
     local_seq = cfg.seq_len // cp
@@ -71,8 +72,9 @@ def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations) -> 
     recompute = 0
     if m.layer_ckpt != "none":
         recompute = chunk_activations(activation_key(cfg, dtype, "none"), mb).block - acts.block
-    return {"p2p_buffers": 2 * hop if cfg.pipeline_parallel_size > 1 else 0, "exchange_buffers": exchange,
-            "recompute": recompute}
+    receives_ahead = max((sum(a.op in (RECV_F, RECV_B) for a in step) for step in batched(program)), default=0)
+    return {"p2p_buffers": (2 + receives_ahead) * hop if cfg.pipeline_parallel_size > 1 else 0,
+            "exchange_buffers": exchange, "recompute": recompute}
 
 
 def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
@@ -96,7 +98,8 @@ def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
     measured, snapshot = peak_memory(list(program[pp_rank]), units, plan)
     blocks = sum(c.blocks for c in rank_chunks(cfg, pp_rank))
     memory = {key: value for key, value in measured.items() if key != "total"}
-    memory.update(_transient(cfg, dtype, acts), fp8_state=blocks * fp8_state_bytes(cfg.model, dims.tp))
+    memory.update(_transient(cfg, dtype, acts, list(program[pp_rank])),
+                  fp8_state=blocks * fp8_state_bytes(cfg.model, dims.tp))
     memory["peak_bytes"] = sum(memory.values())
     per_stage = dims.world_size // dims.pp
     return StagePlan(pp_rank, (pp_rank * per_stage, (pp_rank + 1) * per_stage - 1),
