@@ -5,7 +5,7 @@ program's simulated bubble.
 Categories: what mem_snapshot_stop_step measures (memory.py), plus the buffers it does not see:
   reducing_gradients  the unsharded fp32 gradients of the reductions in flight
   p2p_buffers         a pipeline rank's tensors in transit: two outgoing (a send is waited at the next
-                      batch) and the receives posted a batch ahead (the program's widest batch)
+                      batch) and a batch's receives (the program's widest; posted a batch ahead on CPU)
   fp8_state           the fp8 GEMMs' amax histories and scales (buffers of the blocks, from the meta model)
   exchange_buffers    TP's gathered sequence (SP) and CP's gathered (or in-flight ring) keys and values
   recompute           activation checkpointing's recomputed block (full) or attention core (selective)

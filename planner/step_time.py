@@ -16,7 +16,7 @@ it does not (gloo's threads on the cores the compute runs on):
                 bandwidth; a group whose ranks fit in one node uses the intra-node link, else the
                 inter-node one
 
-The pipeline programs run on the simulator (NCCL semantics) with these costs and the p2p transfer
+The pipeline programs run on the simulator (as the runtime runs them) with these costs and the p2p transfer
 times; past 2 x pp microbatches the steady per-microbatch time is extrapolated. The optimizer's update
 (HBM-bound) and the last reductions' drain close the step. More CPU ranks than cores share
 them: the step is then at least the work of all ranks over the cores.
@@ -212,7 +212,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
         return seconds
 
     timeline = simulate(pipeline_actions(cfg.pipeline_schedule, pp, vpp, simulated), pp, vpp, cost,
-                        sends_block=False)
+                        sends_block=False, receives_ahead=device.name == "cpu")
     # Past the simulated microbatches every rank repeats its steady forward and backward.
     steady = {r: sum(_unit_times(c, k, op, cfg, False, False, overlap)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
               for r in range(pp)}

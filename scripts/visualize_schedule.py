@@ -3,9 +3,9 @@
     python scripts/visualize_schedule.py pp=4 vpp=2 microbatches=8 schedule=interleaved_1f1b out.png
 
 Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk; weight=N: the part of
-a backward that is its weight gradients, W in zb_h1, half by default), sends=block|async
-(block: a send waits for its receive, the strict model; async: a batch of sends only is not waited, as
-in the runtime) and actions=FILE (write every rank's action list, one action per line, e.g.
+a backward that is its weight gradients, W in zb_h1, half by default), sends=block|async|ahead
+(block: a send waits for its receive, the strict model; async: as the runtime on NCCL, a send is waited
+at the next batch; ahead: as the runtime on gloo, receives also posted a batch ahead) and actions=FILE (write every rank's action list, one action per line, e.g.
 `r1 F c0 m3`, to diff two schedules).
 """
 
@@ -45,11 +45,12 @@ def main(argv: list[str]) -> None:
         weight = float(options["weight"]) if options["weight"] else None
         costs = uniform_costs(float(options["forward"]), float(options["backward"]), float(options["p2p"]), weight)
         programs = pipeline_actions(options["schedule"], pp, vpp, m)
-        if options["sends"] not in ("block", "async"):
-            raise ValueError(f"sends={options['sends']} is not one of: block | async")
+        if options["sends"] not in ("block", "async", "ahead"):
+            raise ValueError(f"sends={options['sends']} is not one of: block | async | ahead")
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
-    timeline = simulate(programs, pp, vpp, costs, sends_block=options["sends"] == "block")
+    timeline = simulate(programs, pp, vpp, costs, sends_block=options["sends"] == "block",
+                        receives_ahead=options["sends"] == "ahead")
     title = f"{effective_schedule(options['schedule'], vpp)}  pp={pp} vpp={vpp} microbatches={m}"
     draw_timeline(timeline, out, title)
     if options["actions"]:

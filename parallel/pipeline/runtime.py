@@ -22,10 +22,13 @@ soon as it is handed to its send (the autograd node stays for the backward, as M
 deallocate_output_tensor), and a posted send is waited, and its tensor dropped, at the rank's next
 communication batch. `peak_p2p_tensors` / `peak_p2p_bytes` count the most held at once in a step.
 
-Receives go out one batch ahead: each batch posts the next batch's receives (buffers for one batch,
-whatever M), so a peer's send finds its receive posted. Receives and sends are posted in calls of their
-own, one per channel (see channels.py): on NCCL, where a call is one work, no receive waits for a send,
-and a channel's works, which run in order on one stream, only receive or only send.
+Receives and sends are posted in calls of their own, one per channel (see channels.py): on NCCL, where a
+call is one work, no receive waits for a send, and a channel's works, which run in order on one stream,
+only receive or only send. On the CPU (gloo) receives go out one batch ahead: each batch posts the next
+batch's receives (buffers for one batch, whatever M), so a peer's send finds its receive posted. Not on
+NCCL: a receive posted ahead may carry data that depends on this rank's own next send, and a device-wide
+synchronization in between (the caching allocator frees memory with cudaFree when an allocation fails)
+would wait for it forever.
 """
 
 import time
@@ -40,7 +43,7 @@ from torch.profiler import record_function
 
 from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
-from parallel.pipeline.channels import split_batch
+from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, forward_only, stage_of, transfer_key,
 )
@@ -66,6 +69,12 @@ class PipelineRuntime:
         None: every transfer on `group`."""
         self.pp, self.chunks, self.roots, self.group = pp, chunks, roots, group
         self.channels = channels or [group]
+        if device.type == "cuda" and pp > 1 and len(self.channels) != channel_count(pp, len(chunks)):
+            # On one NCCL stream a batch's receive would queue behind its send, and the peer's likewise.
+            raise ValueError(f"pipeline runtime on CUDA needs {channel_count(pp, len(chunks))} channels "
+                             f"(channels.channel_count), got {len(self.channels)}")
+        # Receives posted a batch ahead (gloo moves data only once its receive is posted); see above.
+        self.receives_ahead = device.type == "cpu"
         self.rank = program[0].rank
         self.num_stages = pp * len(chunks)
         self.steps = batched(program)
@@ -217,16 +226,17 @@ class PipelineRuntime:
         self._sending.clear()
 
     def _exchange(self, batch: list[Action], following: list[Action]) -> None:
-        """Post the batch's sends and the rank's next batch's receives; wait for this batch's receives
-        only. A receive posted ahead lets the peer's send go out as soon as it is posted (gloo moves the
-        data once the receive is posted: posted at the wait, the round trip needs the sender's
-        communication thread, which on a busy core waits for the scheduler). A send's tensor is never
-        written again, so its wait is deferred to the next batch and the rank computes meanwhile. The
-        order of posting on each channel, which is what must match, is the program's."""
+        """Post the batch's sends and its receives (or, receiving ahead, the next batch's); wait for this
+        batch's receives only. A receive posted ahead lets the peer's send go out as soon as it is posted
+        (gloo moves the data once the receive is posted: posted at the wait, the round trip needs the
+        sender's communication thread, which on a busy core waits for the scheduler). A send's tensor is
+        never written again, so its wait is deferred to the next batch and the rank computes meanwhile.
+        The order of posting on each channel, which is what must match, is the program's."""
         self._wait_sends()
         self._post(batch, receives=False)
-        self._post(batch, receives=True)  # unless posted ahead (the first batch)
-        self._post(following, receives=True)
+        self._post(batch, receives=True)  # unless posted ahead
+        if self.receives_ahead:
+            self._post(following, receives=True)
         for a in batch:
             if a.op in (RECV_F, RECV_B):
                 key = transfer_key(a, self.pp, self.num_stages)

@@ -19,10 +19,12 @@ Building a schedule has two parts:
    batch that waits on it: no deadlock by construction, with NCCL's blocking semantics (a send waits
    for its receive) as much as with gloo's. A deadlocking compute order is caught while placing.
 
-Consecutive SEND/RECV actions form one batch (posted as one `batch_isend_irecv` per channel, see
-channels.py); inside a batch, even ranks list sends first and odd ranks receives first (Megatron's
-pairing by parity for unbatched p2p). Batched, the order is not what makes progress: with an odd pp
-and several chunks, ranks pp-1 and 0 are both even.
+Consecutive SEND/RECV actions form one batch (its sends and its receives each posted as one
+`batch_isend_irecv` per channel, see channels.py: on NCCL, where a communicator's calls run in order,
+the argument above needs a receive never queued behind a send, which the channels give); inside a
+batch, even ranks list sends first and odd ranks receives first (Megatron's pairing by parity for
+unbatched p2p). Batched, the order is not what makes progress: with an odd pp and several chunks,
+ranks pp-1 and 0 are both even.
 """
 
 from dataclasses import dataclass

@@ -4,12 +4,13 @@ No process group is needed. Each rank executes its program in order; a compute a
 a communication batch posts all its operations when the rank reaches it and completes when every
 operation's counterpart has been posted by its peer (plus the p2p cost). By default the rank waits for
 that (`sends_block=True`): a send waits for its receive, the strictest semantics, so a program that
-completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does, the
-same on NCCL and gloo: at each batch it waits for the previous batch's sends, posts this batch's sends
-and the next batch's receives (ahead of time), and waits for this batch's receives only. (The runtime
-posts receives and sends in calls of their own, one per channel, so on NCCL, whose calls are one work
-each, waiting a receive waits only receives of the same batch; a channel's works run in order, which a
-transfer cost per operation, equal for all, never makes bind.) A cost function prices a backward's two
+completes here cannot deadlock on a real backend. `sends_block=False` times what the runtime does: at
+each batch it waits for the previous batch's sends, posts this batch's sends and receives, and waits for
+this batch's receives only; `receives_ahead=True` (the runtime on the CPU, gloo) posts each batch's
+receives at the batch before. (The runtime posts receives and sends in calls of their own, one per
+channel, so on NCCL, whose calls are one work each, waiting a receive waits only receives of the same
+batch. A channel's works run in order, which never binds here: a rank waits its sends before posting
+more, and posts its receives in the order the peer sends.) A cost function prices a backward's two
 halves apart, B (the input gradient) and W (the weight gradients); a program without W actions runs both
 halves in its B. The simulation also checks that every compute finds its input already
 there and every send is received, so it validates the schedule it times.
@@ -83,8 +84,10 @@ class Timeline:
 
 
 class _Simulation:
-    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool):
+    def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool,
+                 receives_ahead: bool):
         self.pp, self.vpp, self.num_stages, self.cost, self.sends_block = pp, vpp, pp * vpp, cost, sends_block
+        self.receives_ahead = receives_ahead and not sends_block
         self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
         self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
         self.steps = [batched(list(p)) for p in programs]
@@ -151,7 +154,7 @@ class _Simulation:
             if not self._wait(rank, self.unwaited[rank]):
                 return False
             self.unwaited[rank] = []
-        ahead = [] if self.sends_block else self._operations(self.following[rank][self.position[rank]])
+        ahead = self._operations(self.following[rank][self.position[rank]]) if self.receives_ahead else []
         for op, _ in ops + [op for op in ahead if not op[0][1]]:
             self.posted.setdefault(op, self.clock[rank])
         waited = ops if self.sends_block else [op for op in ops if not op[0][1]]
@@ -185,9 +188,10 @@ def _following_batches(steps: list[list[Action]]) -> list[list[Action]]:
     return following[::-1]
 
 
-def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True) -> Timeline:
+def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True,
+             receives_ahead: bool = False) -> Timeline:
     """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
-    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block).run()
+    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, receives_ahead).run()
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:

@@ -21,8 +21,8 @@ steps of each side, sides in rotating order), so machine noise hits them alike. 
 slowest rank's (a barrier before each step); the table gives medians, and ratios are medians over
 rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
-beside the simulator's for the same program in the runtime's mode (sends waited at the next batch,
-gloo), with each chunk's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p,
+beside the simulator's for the same program in the runtime's mode on gloo (receives posted a batch
+ahead, sends waited at the next batch), with each chunk's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p,
 and beside torch's, from its stages' forward, backward and weight-gradient calls (its loss, about a
 millisecond per microbatch, runs outside them). Peak p2p: the most bytes of outgoing tensors our runtime
 held at once on any rank.
@@ -316,7 +316,7 @@ def _result(cfg: TrainConfig, world: int, sides: tuple, times: list, check: dict
     ours.runtime.trace = torch_side.trace = None
     vpp = cfg.virtual_pipeline_stages
     program = pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches)
-    simulated = simulate(program, world, vpp, costs, sends_block=False).bubble_fraction
+    simulated = simulate(program, world, vpp, costs, sends_block=False, receives_ahead=True).bubble_fraction
     ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
     p2p = max(comm.all_gather_object(ours.runtime.peak_p2p_bytes, comm.world()))
     return {"schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,

@@ -1,18 +1,19 @@
 """Pipeline transfers spread over channels (communicators over the same ranks): on each channel a rank
 only sends or only receives, the two ends of a channel post their transfers in the same order, and the
-runtime posts each call with only sends or only receives, the receives a batch ahead, as the simulator
-times it."""
+runtime posts each call with only sends or only receives (on the CPU the receives a batch ahead), and on
+CUDA refuses fewer channels."""
 
 import itertools
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from parallel import comm
 from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.schedule import batched, schedule_actions, pipeline_actions, transfer_key
+from parallel.pipeline.schedule import batched, forward_only, pipeline_actions, schedule_actions, transfer_key
 
 
 def _layouts():
@@ -55,11 +56,12 @@ class _Work:
         return True
 
 
-def test_the_runtime_posts_receives_a_batch_ahead_in_calls_of_their_own(world, monkeypatch):
+def test_the_runtime_posts_sends_and_receives_in_calls_of_their_own(world, monkeypatch):
     """A coalescing backend (NCCL's one work per call), channels as distinct groups: at each batch the
-    runtime posts the batch's sends, one call per channel, then the next batch's receives (the first
-    batch's own before), each call only sending or only receiving, each on its channel's group; a
-    batch's receives are waited only after the next batch's are posted."""
+    runtime posts the batch's sends, one call per channel, then its receives, or (receiving ahead, as on
+    the CPU) the next batch's (the first batch's own before), each call only sending or only receiving,
+    each on its channel's group; receiving ahead, a batch's receives are waited only after the next
+    batch's are posted. Training steps and forward-only ones (evaluation), 1F1B, interleaved and zb_h1."""
     log, posted = [], []
 
     def coalescing(p2p):
@@ -74,29 +76,53 @@ def test_the_runtime_posts_receives_a_batch_ahead_in_calls_of_their_own(world, m
     # The channels are one-rank groups here, which torch's P2POp would refuse a peer of.
     monkeypatch.setattr(comm.dist, "P2POp", lambda op, tensor, group, group_peer: SimpleNamespace(
         op=op, tensor=tensor, group=group, peer=group_peer))
-    for pp, vpp in ((2, 2), (3, 2), (4, 1)):
+    cases = itertools.product((("1f1b", 2, 2), ("1f1b", 3, 2), ("1f1b", 4, 1), ("zb_h1", 3, 1)), (False, True),
+                              (False, True))
+    for (schedule, pp, vpp), receives_ahead, forward in cases:
         channels = [dist.new_group([0]) for _ in range(channel_count(pp, vpp))]
         for rank in range(pp):
-            program = schedule_actions("1f1b", pp, vpp, 2 * pp, rank)
+            program = schedule_actions(schedule, pp, vpp, 2 * pp, rank)
             runtime = PipelineRuntime(program, pp, [torch.nn.Linear(4, 4) for _ in range(vpp)],
                                       [_Root()] * vpp, channels[0], (2, 4), torch.float32, torch.device("cpu"),
                                       channels)
+            runtime.receives_ahead = receives_ahead
             log.clear(), posted.clear()
-            runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
+            if forward:
+                with torch.no_grad():
+                    runtime.run_forward(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
+            else:
+                runtime.run_step(lambda mb: torch.ones(2, 4), lambda y, mb: y.sum())
+            batches = _transfer_steps(forward_only(program) if forward else program)
             expected, batch_of = [], []
-            batches = _transfer_steps(program)
-            for b, batch in enumerate(batches):
-                receives_of = [b] if b == 0 else []
-                for index, sends in [(b, True)] + [(k, False) for k in receives_of + [b + 1] if k < len(batches)]:
+            for b in range(len(batches)):
+                receives = ([b] if b == 0 else []) + [b + 1] if receives_ahead else [b]
+                for index, sends in [(b, True)] + [(k, False) for k in receives if k < len(batches)]:
                     for c, call in _one_kind(batches[index], sends, pp, vpp, len(channels)):
                         expected.append((channels[c], [(sends, a.peer) for a in call]))
                         batch_of.append(index)
-            assert posted == expected, (pp, vpp, rank)
+            case = (schedule, pp, vpp, rank, receives_ahead, forward)
+            assert posted == expected, case
             for i, (event, call) in enumerate(log):
-                if event == "wait" and not posted[call][1][0][0]:  # a receive of batch_of[call] waited
+                if receives_ahead and event == "wait" and not posted[call][1][0][0]:  # a receive waited
                     ahead = [c for e, c in log[:i] if e == "post" and batch_of[c] == batch_of[call] + 1]
                     following = [c for c, b in enumerate(batch_of) if b == batch_of[call] + 1 and not posted[c][1][0][0]]
-                    assert ahead == following, (pp, vpp, rank, call)
+                    assert ahead == following, (case, call)
+
+
+def test_the_runtime_on_cuda_refuses_fewer_channels_and_does_not_receive_ahead(world):
+    """On one NCCL stream a batch's receive would queue behind its send and the peer's likewise; and a
+    receive posted ahead could be waited by a device-wide synchronization before this rank's own send
+    its data depends on."""
+    program = schedule_actions("1f1b", 2, 1, 4, 0)
+    with pytest.raises(ValueError, match=rf"pipeline runtime on CUDA needs {channel_count(2, 1)} channels .* got 1"):
+        PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], dist.group.WORLD, (2, 4), torch.float32,
+                        torch.device("cuda"))
+    channels = [dist.group.WORLD] * channel_count(2, 1)
+    cuda = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], channels[0], (2, 4), torch.float32,
+                           torch.device("cuda"), channels)
+    cpu = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], channels[0], (2, 4), torch.float32,
+                          torch.device("cpu"), channels)
+    assert not cuda.receives_ahead and cpu.receives_ahead
 
 
 def _one_kind(batch, sends: bool, pp: int, vpp: int, channels: int):

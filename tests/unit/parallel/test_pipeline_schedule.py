@@ -182,17 +182,18 @@ def test_visualize_schedule_draws_a_png(tmp_path, layout):
 
 
 def test_sends_that_do_not_block_never_lengthen_a_schedule_and_stay_deadlock_free():
-    """sends_block=False times what the runtime does (receives posted a batch ahead and waited alone,
-    sends waited at the next batch): never longer than the strict model, and every program still
-    completes under any timing."""
+    """sends_block=False times what the runtime does (a batch's receives waited alone, its sends at the
+    next batch; receives_ahead: gloo's receives posted a batch ahead): never longer than the strict
+    model, the receives ahead never longer than without, and every program completes under any timing."""
     for schedule, pp, vpp in (("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)):
         for m in (1, 3, 4, 8):
             programs = pipeline_actions(schedule, pp, vpp, m)
             strict = simulate(programs, pp, vpp)
             relaxed = simulate(programs, pp, vpp, sends_block=False)
-            assert relaxed.makespan <= strict.makespan, (schedule, pp, vpp, m)
-            for seed in range(3):
-                simulate(programs, pp, vpp, random_costs(seed), sends_block=False)
+            ahead = simulate(programs, pp, vpp, sends_block=False, receives_ahead=True)
+            assert ahead.makespan <= relaxed.makespan <= strict.makespan, (schedule, pp, vpp, m)
+            for seed, receives_ahead in itertools.product(range(3), (False, True)):
+                simulate(programs, pp, vpp, random_costs(seed), sends_block=False, receives_ahead=receives_ahead)
     relaxed = simulate(pipeline_actions("interleaved_1f1b", 2, 2, 4), 2, 2, sends_block=False)
     assert relaxed.makespan == 27  # the compute order's (analytic 1/9), vs 31 strict
 
@@ -200,29 +201,33 @@ def test_sends_that_do_not_block_never_lengthen_a_schedule_and_stay_deadlock_fre
 def test_receives_that_never_wait_for_sends_reach_the_compute_orders_makespan():
     """The runtime waits a batch's receives alone (posted in calls without sends, one per channel: on
     NCCL one work each): the interleaved programs then take exactly as long as their compute orders
-    list-scheduled with free transfers."""
+    list-scheduled with free transfers, with receives posted ahead or not."""
     for pp, vpp in itertools.product((2, 4, 8), (2, 4)):
         for m in (pp, 2 * pp, 8 * pp):
             orders = [S.compute_order("interleaved_1f1b", pp, vpp, m, r) for r in range(pp)]
             _, end = S._list_schedule(orders, pp, vpp, "interleaved_1f1b", m)
-            timeline = simulate(pipeline_actions("interleaved_1f1b", pp, vpp, m), pp, vpp, sends_block=False)
-            assert timeline.makespan == max(end.values()), (pp, vpp, m)
-    # pp=8 vpp=2 M=64 at the analytic (pp-1)/(vpp M + pp-1); one work per batch gave 9.9%, as 1F1B.
-    nccl = simulate(pipeline_actions("interleaved_1f1b", 8, 2, 64), 8, 2, sends_block=False)
-    assert abs(nccl.bubble_fraction - 7 / (2 * 64 + 7)) < 1e-9
+            programs = pipeline_actions("interleaved_1f1b", pp, vpp, m)
+            for receives_ahead in (False, True):
+                timeline = simulate(programs, pp, vpp, sends_block=False, receives_ahead=receives_ahead)
+                assert timeline.makespan == max(end.values()), (pp, vpp, m, receives_ahead)
+    # pp=8 vpp=2 M=64 at the analytic (pp-1)/(vpp M + pp-1); a receive waiting for its batch's sends gave
+    # 9.9%, as 1F1B.
+    runtime = simulate(pipeline_actions("interleaved_1f1b", 8, 2, 64), 8, 2, sends_block=False)
+    assert abs(runtime.bubble_fraction - 7 / (2 * 64 + 7)) < 1e-9
 
 
 def test_a_receive_posted_a_batch_ahead_moves_its_data_while_the_rank_computes():
-    """Two forwards through two ranks, forward and transfer 1 each. Rank 1 posts the receive of m1 at
-    its first batch (t=0), so m1's data moves as soon as rank 0 sends it (t=2 -> 3) and F m1 runs at
-    3..4; posted at its own batch (t=3, after F m0), it would arrive at 4 and the program end at 5,
-    as the strict model's does."""
+    """Two forwards through two ranks, forward and transfer 1 each. Receiving ahead (gloo), rank 1 posts
+    the receive of m1 at its first batch (t=0), so m1's data moves as soon as rank 0 sends it (t=2 -> 3)
+    and F m1 runs at 3..4; posted at its own batch (t=3, after F m0), it arrives at 4 and the program
+    ends at 5, as the strict model's does."""
     rank_0 = [Action(0, "F", 0, 0), Action(0, "SEND_F", 0, 0, peer=1), Action(0, "F", 0, 1),
               Action(0, "SEND_F", 0, 1, peer=1)]
     rank_1 = [Action(1, "RECV_F", 0, 0, peer=0), Action(1, "F", 0, 0), Action(1, "RECV_F", 0, 1, peer=0),
               Action(1, "F", 0, 1)]
     costs = uniform_costs(forward=1.0, p2p=1.0)
-    assert simulate([rank_0, rank_1], 2, 1, costs, sends_block=False).makespan == 4
+    assert simulate([rank_0, rank_1], 2, 1, costs, sends_block=False, receives_ahead=True).makespan == 4
+    assert simulate([rank_0, rank_1], 2, 1, costs, sends_block=False).makespan == 5
     assert simulate([rank_0, rank_1], 2, 1, costs).makespan == 5
 
 

@@ -36,10 +36,12 @@ def test_spearman_against_hand_computed():
 def test_ranks_sharing_cores_take_at_least_all_ranks_work_over_the_cores(overrides):
     cfg, dims = layout(*overrides)
     alone = predict(cfg, dims, CPU, 4).step_s
-    # A GPU-named profile with the same numbers is never shared: the same step as 4 CPU cores for 4 ranks.
-    assert predict(cfg, dims, dataclasses.replace(CPU, name="gpu", gpus_per_node=1), 4).step_s == alone
+    # A GPU-named profile with the same numbers is never shared: the step of 4 CPU cores for 4 ranks (a
+    # pipeline's a little longer: NCCL's receives are not posted ahead, gloo's are).
+    gpu = predict(cfg, dims, dataclasses.replace(CPU, name="gpu", gpus_per_node=1), 4).step_s
+    assert gpu == alone if dims.pp == 1 else alone < gpu < 1.01 * alone
     one_core = predict(cfg, dims, dataclasses.replace(CPU, gpus_per_node=1), 4).step_s
-    assert one_core > alone
+    assert one_core > gpu
     if dims.pp == 1:  # four equal ranks' compute, one after another on the one core
         assert one_core >= 4 * compute_lower_bound(cfg, dims, CPU, 4)
 
