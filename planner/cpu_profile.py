@@ -88,7 +88,7 @@ def _copy_gbps() -> float:
 
 def _elementwise_gbps() -> float:
     """Bytes per second of the model's RMSNorm and rotary over 128 tokens at dim 512 (8 heads of 64),
-    forward and backward, counted as step_time.BLOCK_ELEMENTS counts them (7 and 10 elements per element
+    forward and backward, counted as step_time counts them (7 and 10 elements per element
     forward, the backward twice that)."""
     rows, dim, heads = 128, 512, 8
     norm = RMSNorm(dim, 1e-5)

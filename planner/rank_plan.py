@@ -72,8 +72,8 @@ def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations, pro
     recompute = 0
     if m.layer_ckpt != "none":
         recompute = chunk_activations(activation_key(cfg, dtype, "none"), mb).block - acts.block
-    receives_ahead = max((sum(a.op in (RECV_F, RECV_B) for a in step) for step in batched(program)), default=0)
-    return {"p2p_buffers": (2 + receives_ahead) * hop if cfg.pipeline_parallel_size > 1 else 0,
+    batch_receives = max((sum(a.op in (RECV_F, RECV_B) for a in step) for step in batched(program)), default=0)
+    return {"p2p_buffers": (2 + batch_receives) * hop if cfg.pipeline_parallel_size > 1 else 0,
             "exchange_buffers": exchange, "recompute": recompute}
 
 

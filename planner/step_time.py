@@ -36,15 +36,17 @@ from trainer.observability.flops import training_flops_per_token
 # (first moment), mul_ and addcmul_ (second), sqrt, div and add_ (the denominator), addcdiv_ (the
 # update): 12 reads, 8 writes. optim.fused: parameter, gradient and both moments read once, three written.
 ADAM_BYTES = {False: 20 * 4, True: 7 * 4}
-# Elements a block's forward reads and writes per token outside its GEMMs and attention, by width: dim
-# (the norms' and residual adds' rows), q and kv (the TP-local rotated widths), hidden (TP-local SwiGLU).
-# Eager, each op reads its inputs and writes its output once: two RMSNorms (square, mean, scale, weight:
-# 7 each), two residual adds (3 each), rotary on q and k (negate, concatenate, two products, a sum: 10
-# each), the attention output's transpose copy (2 on q), silu and the gate product (5). compile=true fuses
-# each norm, add, rotary and SwiGLU into one pass over its inputs and outputs.
-BLOCK_ELEMENTS = {False: {"dim": 20, "q": 12, "kv": 10, "hidden": 5}, True: {"dim": 10, "q": 4, "kv": 2, "hidden": 3}}
-# The head's RMSNorm (as the block's) and the fp32 cross entropy's log-softmax over the TP-local vocabulary.
-HEAD_NORM_ELEMENTS, LOSS_ELEMENTS = {False: 7, True: 2}, 4
+# Elements a block's forward reads and writes per token outside its GEMMs, attention and norms, by width:
+# dim (residual adds), q and kv (the TP-local rotated widths), hidden (TP-local SwiGLU). Eager, each op
+# reads its inputs and writes its output once: two residual adds (3 each), rotary on q and k (negate,
+# concatenate, two products, a sum: 10 each), silu and the gate product (5); sdpa's output, transposed,
+# is contiguous (no copy). compile=true fuses rotary and SwiGLU into one pass over inputs and outputs.
+BLOCK_ELEMENTS = {False: {"dim": 6, "q": 10, "kv": 10, "hidden": 5}, True: {"dim": 6, "q": 2, "kv": 2, "hidden": 3}}
+# Bytes an eager RMSNorm moves per element of dim (model/transformer.py: in fp32 whatever the compute
+# dtype): fp32, square, mean, scale and weight, 7 x 4; bf16 adds the casts up and back, 18 x 2.
+EAGER_NORM_BYTES = {4: 7 * 4, 2: 18 * 2}
+# The fp32 cross entropy's log-softmax over the TP-local vocabulary, per token.
+LOSS_ELEMENTS = 4
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class _Costs:
 
     block_forward: float
     head_forward: float
+    weight: dict  # unit kind -> its weight-gradient GEMMs of one microbatch (zb_h1's W), seconds
     exchange: float  # per block, forward (the backward exchanges as much again)
     recompute: float  # per block, added to its backward
     gather: dict  # unit kind -> all-gather seconds
@@ -84,8 +87,10 @@ def _transfer_s(device: DeviceProfile, span: int, nbytes: float, count: int = 1)
     return count * latency + nbytes / bandwidth
 
 
-def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> tuple[float, float, float]:
-    """Seconds of one microbatch's forward: (a block's, the head's, a block's attention product)."""
+def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile,
+               dtype_bytes: int) -> tuple[float, float, float, dict[str, float]]:
+    """Seconds of one microbatch's forward: (a block's, the head's, a block's attention product, the
+    linears' GEMMs of a block and of the head, which the backward's weight gradients repeat)."""
     m, tp = cfg.model, dims.tp
     rows = cfg.microbatch_size * cfg.seq_len // dims.cp  # tokens of a microbatch on this rank
     peak = device.flops(dtype_bytes, m.use_fp8)
@@ -96,11 +101,12 @@ def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtyp
     attention = rows * 2 * m.n_heads * m.head_dim * cfg.seq_len / tp
     attention_peak = device.flops(4) if dims.cp > 1 and device.name != "cpu" else peak
     attention_s = attention / (attention_peak * device.efficiency(rows, m.head_dim))
-    block = gemms / (peak * device.efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)) + attention_s
-    head = rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes) * device.efficiency(rows, m.vocab_size // tp))
+    linears = {"block": gemms / (peak * device.efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)),
+               "head": rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes)
+                                                               * device.efficiency(rows, m.vocab_size // tp))}
     block_bytes, head_bytes = _elementwise_bytes(cfg, dims, dtype_bytes)
-    return (block + rows * block_bytes / device.elementwise_bytes_per_s,
-            head + rows * head_bytes / device.elementwise_bytes_per_s, attention_s)
+    return (linears["block"] + attention_s + rows * block_bytes / device.elementwise_bytes_per_s,
+            linears["head"] + rows * head_bytes / device.elementwise_bytes_per_s, attention_s, linears)
 
 
 def _elementwise_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -> tuple[float, float]:
@@ -111,8 +117,10 @@ def _elementwise_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -
     widths = {"dim": dim, "q": m.n_heads * m.head_dim / tp, "kv": m.n_kv_heads * m.head_dim / tp,
               "hidden": m.ffn_hidden_dim / tp}
     block = sum(count * widths[width] for width, count in BLOCK_ELEMENTS[cfg.compile].items()) * dtype_bytes
-    head = HEAD_NORM_ELEMENTS[cfg.compile] * dim * dtype_bytes + LOSS_ELEMENTS * m.vocab_size / tp * 4
-    return block, head
+    # A compiled norm reads its input and writes its output once; the head is never compiled.
+    norm = EAGER_NORM_BYTES[dtype_bytes] if dtype_bytes in EAGER_NORM_BYTES else 7 * dtype_bytes
+    block += 2 * dim * (2 * dtype_bytes if cfg.compile else norm)
+    return block, norm * dim + LOSS_ELEMENTS * m.vocab_size / tp * 4
 
 
 def _activation_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -> int:
@@ -138,7 +146,7 @@ def _exchange_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dty
 
 def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> _Costs:
     m, tp, cp = cfg.model, dims.tp, dims.cp
-    block_forward, head_forward, attention_s = _compute_s(cfg, dims, device, dtype_bytes)
+    block_forward, head_forward, attention_s, linears = _compute_s(cfg, dims, device, dtype_bytes)
     exchange = _exchange_s(cfg, dims, device, dtype_bytes, attention_s)
     recompute = {"none": 0.0, "full": block_forward, "selective": attention_s}[m.layer_ckpt]
     world, r = dims.dp_shard * cp, dims.dp_replicate
@@ -155,13 +163,14 @@ def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_by
     # Neighbouring pipeline stages are world / pp ranks apart.
     activation = _activation_bytes(cfg, dims, dtype_bytes)
     hop = _transfer_s(device, dims.world_size // dims.pp + 1, activation / (tp if m.sequence_parallel and tp > 1 else 1))
-    return _Costs(block_forward, head_forward, exchange, recompute, gather, reduce, replicas, numel, hop)
+    return _Costs(block_forward, head_forward, {**linears, "embedding": 0.0}, exchange, recompute, gather, reduce,
+                  replicas, numel, hop)
 
 
 def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: bool, last: bool,
-                overlap: bool) -> tuple[float, float]:
-    """(seconds, of which compute) of one action over the chunk's units."""
-    total = compute = 0.0
+                overlap: bool) -> tuple[float, float, float]:
+    """(seconds, of which compute, of which weight-gradient GEMMs) of one action over the chunk's units."""
+    total = compute = weight = 0.0
     gathers = cfg.reshard_after_forward or (first and op == FORWARD)
     reduces = op == BACKWARD and (last or cfg.grad_reduce == "per_microbatch")
     for kind in kinds:
@@ -173,7 +182,8 @@ def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: b
         comm += c.replicas[kind] if reduces and last else 0.0
         total += max(work + exchange, comm) if overlap else work + exchange + comm
         compute += work
-    return total, compute
+        weight += c.weight[kind] if op == BACKWARD else 0.0
+    return total, compute, weight
 
 
 def compute_lower_bound(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> float:
@@ -199,15 +209,15 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     overlap = device.overlaps_communication
 
     def cost(a: Action) -> float:
-        """A backward's weight-gradient half is W's (the simulator adds it to B in a program without W)."""
+        """A backward's weight-gradient GEMMs are W's, the rest B's (the simulator adds W to B in a program
+        without W)."""
         if not a.is_compute:
             return c.hop
         op = BACKWARD if a.op == WEIGHT else a.op
-        seconds, work = _unit_times(c, kinds[a.rank][a.chunk], op, cfg, a.microbatch == 0,
-                                    a.microbatch == simulated - 1, overlap)
+        seconds, work, weight = _unit_times(c, kinds[a.rank][a.chunk], op, cfg, a.microbatch == 0,
+                                            a.microbatch == simulated - 1, overlap)
         if op == BACKWARD:
-            weight_half = work / 2
-            seconds, work = (weight_half, weight_half) if a.op == WEIGHT else (seconds - weight_half, work - weight_half)
+            seconds, work = (weight, weight) if a.op == WEIGHT else (seconds - weight, work - weight)
         computing[a] = work
         return seconds
 

@@ -10,6 +10,7 @@ from planner.config import compose_config
 from planner.cpu_profile import gemm_curve
 from planner.devices import DeviceProfile
 from planner.dry_run import planned_world
+from planner import step_time
 from planner.step_time import compute_lower_bound, predict
 from scripts.bench.plan_time import spearman
 from trainer.config.rules import validate
@@ -61,17 +62,29 @@ def test_the_fused_optimizer_is_priced_at_fewer_bytes():
 
 def test_a_blocks_elementwise_ops_are_priced_at_their_bytes_over_the_elementwise_bandwidth():
     """model=small (dim 512, 8 heads and 4 KV heads of 64, hidden 1408, vocab 8192), 128 tokens per
-    microbatch, fp32, one rank: eager, a block's forward moves 20 x 512 + 12 x 512 + 10 x 256 + 5 x 1408
-    elements per token, the head 7 x 512 plus the loss's 4 x 8192 (fp32), so the busiest rank's compute
-    grows by 3 x 128 x (8 blocks x that + the head) x 4 bytes over the bandwidth (the backward twice the
-    forward). compile=true fuses them into fewer passes."""
+    microbatch, fp32, one rank: eager, a block's forward moves 6 x 512 (residual adds) + 10 x 512 +
+    10 x 256 (rotary) + 5 x 1408 (SwiGLU) elements per token and 2 x 7 x 512 in its norms, the head 7 x 512
+    plus the loss's 4 x 8192 (fp32), so the busiest rank's compute grows by 3 x 128 x (8 blocks x that +
+    the head) x 4 bytes over the bandwidth (the backward twice the forward). compile=true fuses them into
+    fewer passes; bf16 norms move their fp32 casts too."""
     cfg, dims = layout("batch_size=1")
     without = compute_lower_bound(cfg, dims, dataclasses.replace(CPU, elementwise_gbps=1e12), 4)
     base = compute_lower_bound(cfg, dims, dataclasses.replace(CPU, elementwise_gbps=1.0), 4)
-    block, head = (20 * 512 + 12 * 512 + 10 * 256 + 5 * 1408) * 4, 7 * 512 * 4 + 4 * 8192 * 4
+    block, head = (6 * 512 + 10 * 512 + 10 * 256 + 5 * 1408 + 2 * 7 * 512) * 4, 7 * 512 * 4 + 4 * 8192 * 4
     expected = 3 * 128 * (8 * block + head) / 1e9
     assert base - without == pytest.approx(expected, rel=1e-6)
     compiled, _ = layout("batch_size=1", "compile=true")
     assert compute_lower_bound(compiled, dims, dataclasses.replace(CPU, elementwise_gbps=1.0), 4) < base
+    assert step_time._elementwise_bytes(cfg, dims, 2)[0] == (6 * 512 + 10 * 512 + 10 * 256 + 5 * 1408) * 2 + 2 * 18 * 2 * 512
     # Without a measured elementwise bandwidth, a profile prices them at its HBM bandwidth.
     assert CPU.elementwise_bytes_per_s == CPU.hbm_gbps * 1e9
+
+
+def test_zero_bubbles_w_is_the_weight_gradient_gemms_and_b_the_rest():
+    """zb_h1 prices W as the linears' GEMMs of a microbatch (what the weight gradients repeat) and B as the
+    rest of the backward (input-gradient GEMMs, attention, elementwise ops): W's share is below half."""
+    cfg, dims = layout("batch_size=8", "pipeline_parallel_size=4", "pipeline_schedule=zb_h1")
+    c = step_time._costs(cfg, dims, CPU, 4)
+    seconds, compute, weight = step_time._unit_times(c, ["block"], step_time.BACKWARD, cfg, False, False, False)
+    assert weight == c.weight["block"] and 0 < weight < compute / 2
+    assert step_time._unit_times(c, ["block"], step_time.FORWARD, cfg, False, False, False)[2] == 0.0
