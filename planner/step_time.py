@@ -118,7 +118,7 @@ def _elementwise_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) -
               "hidden": m.ffn_hidden_dim / tp}
     block = sum(count * widths[width] for width, count in BLOCK_ELEMENTS[cfg.compile].items()) * dtype_bytes
     # A compiled norm reads its input and writes its output once; the head is never compiled.
-    norm = EAGER_NORM_BYTES[dtype_bytes] if dtype_bytes in EAGER_NORM_BYTES else 7 * dtype_bytes
+    norm = EAGER_NORM_BYTES[dtype_bytes]
     block += 2 * dim * (2 * dtype_bytes if cfg.compile else norm)
     return block, norm * dim + LOSS_ELEMENTS * m.vocab_size / tp * 4
 

@@ -45,7 +45,8 @@ from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
 from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, forward_only, stage_of, transfer_key,
+    BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, following_batches, forward_only, stage_of,
+    transfer_key,
 )
 
 Inputs = Callable[[int], torch.Tensor]  # microbatch -> the first stage's input (token ids)
@@ -127,14 +128,12 @@ class PipelineRuntime:
 
     def _run_steps(self, steps: list[list[Action]], inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
                    keep_for_backward: bool) -> None:
-        batches = [step for step in steps if not step[0].is_compute]
-        following = dict(zip(map(id, batches), batches[1:]))
-        for step in steps:
+        for step, following in zip(steps, following_batches(steps)):
             a, start = step[0], time.time()
             if self.num_stages > 1:
                 comm.set_where("stage", f"pipeline {' '.join(map(str, step))}")
             if not a.is_compute:
-                self._exchange(step, following.get(id(step), []))
+                self._exchange(step, following)
             elif a.op == FORWARD:
                 with record_function(str(a)):
                     self._forward(a, inputs, loss, chunk_kwargs, keep_for_backward)

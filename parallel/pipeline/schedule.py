@@ -363,6 +363,17 @@ def batched(program: list[Action]) -> list[list[Action]]:
     return steps
 
 
+def following_batches(steps: list[list[Action]]) -> list[list[Action]]:
+    """For each step of `batched`'s, the first communication batch after it (empty when none follows):
+    the batch whose receives a runtime posting ahead sends out at that step."""
+    following, upcoming = [], []
+    for step in reversed(steps):
+        following.append(upcoming)
+        if not step[0].is_compute:
+            upcoming = step
+    return following[::-1]
+
+
 def schedule_actions(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
     """One rank's program: `(pp, vpp, num_microbatches, rank) -> list[Action]`."""
     return list(pipeline_actions(schedule, pp, vpp, microbatches)[rank])

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, stage_of, transfer_key, upstream,
+    BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, following_batches, stage_of, transfer_key, upstream,
 )
 
 CostFn = Callable[[Action], float]
@@ -92,7 +92,7 @@ class _Simulation:
         self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
         self.steps = [batched(list(p)) for p in programs]
         # Per rank and step: the rank's next communication batch after it, whose receives go out ahead.
-        self.following = [_following_batches(steps) for steps in self.steps]
+        self.following = [following_batches(steps) for steps in self.steps]
         self.position, self.clock = [0] * pp, [0.0] * pp
         self.available: list[set] = [set() for _ in range(pp)]  # inputs present on each rank
         self.posted: dict[tuple, float] = {}  # (key, is_send) -> time posted
@@ -176,16 +176,6 @@ class _Simulation:
         finish = [max(self.posted[(k, s)], self.posted[(k, not s)]) + self.cost(a) for (k, s), a in ops]
         self.clock[rank] = max([self.clock[rank], *finish])
         return True
-
-
-def _following_batches(steps: list[list[Action]]) -> list[list[Action]]:
-    """For each step, the first communication batch after it (empty when none follows)."""
-    following, upcoming = [], []
-    for step in reversed(steps):
-        following.append(upcoming)
-        if not step[0].is_compute:
-            upcoming = step
-    return following[::-1]
 
 
 def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True,
