@@ -110,7 +110,7 @@ def pipeline_timeline(cfg: TrainConfig) -> Timeline:
     """The step's programs on the simulator at uniform costs (backward twice a forward)."""
     pp, vpp = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
     programs = pipeline_actions(cfg.pipeline_schedule, pp, vpp, cfg.num_microbatches)
-    return simulate(programs, pp, vpp, uniform_costs(), sends_block=False)
+    return simulate(programs, pp, vpp, uniform_costs(), sends_block=False, v_shape=cfg.pipeline_v_shape)
 
 
 def schedule_name(cfg: TrainConfig) -> str:

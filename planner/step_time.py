@@ -222,7 +222,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
         return seconds
 
     timeline = simulate(pipeline_actions(cfg.pipeline_schedule, pp, vpp, simulated), pp, vpp, cost,
-                        sends_block=False, receives_ahead=device.name == "cpu")
+                        sends_block=False, receives_ahead=device.name == "cpu", v_shape=cfg.pipeline_v_shape)
     # Past the simulated microbatches every rank repeats its steady forward and backward.
     steady = {r: sum(_unit_times(c, k, op, cfg, False, False, overlap)[0] for k in kinds[r] for op in (FORWARD, BACKWARD))
               for r in range(pp)}

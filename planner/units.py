@@ -12,7 +12,7 @@ import torch
 
 from model.transformer import Transformer
 from parallel.fsdp.flat_param import FlatParamSpec
-from parallel.pipeline.layers import chunk_layers
+from parallel.pipeline.layers import chunk_layers, stage_index
 from parallel.tensor_parallel import TPContext
 from trainer.config.schema import ModelConfig, TrainConfig
 
@@ -53,10 +53,11 @@ class Chunk:
 
 
 def rank_chunks(cfg: TrainConfig, pp_rank: int) -> list[Chunk]:
-    pp, vpp = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
+    pp, vpp, v_shape = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.pipeline_v_shape
     ends = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
-    return [Chunk(len(chunk_layers(cfg.model.n_layers, pp, vpp, pp_rank, c, *ends)),
-                  embedding=c == 0 and pp_rank == 0, head=c == vpp - 1 and pp_rank == pp - 1) for c in range(vpp)]
+    stages = [stage_index(pp, pp_rank, c, v_shape) for c in range(vpp)]
+    return [Chunk(len(chunk_layers(cfg.model.n_layers, pp, vpp, pp_rank, c, *ends, v_shape=v_shape)),
+                  embedding=stage == 0, head=stage == pp * vpp - 1) for c, stage in enumerate(stages)]
 
 
 def parameter_counts(model: ModelConfig) -> dict[str, int]:

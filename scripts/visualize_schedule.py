@@ -3,7 +3,7 @@
     python scripts/visualize_schedule.py pp=4 vpp=2 microbatches=8 schedule=interleaved_1f1b out.png
 
 Optional: forward=1 backward=2 p2p=0 (per-action costs, in forwards of one chunk; weight=N: the part of
-a backward that is its weight gradients, W in zb_h1, half by default), sends=block|async|ahead
+a backward that is its weight gradients, W in zb_h1 and zbv, half by default), sends=block|async|ahead
 (block: a send waits for its receive, the strict model; async: as the runtime on NCCL, a send is waited
 at the next batch; ahead: as the runtime on gloo, receives also posted a batch ahead) and actions=FILE (write every rank's action list, one action per line, e.g.
 `r1 F c0 m3`, to diff two schedules).
@@ -15,12 +15,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.errors import ConfigError  # noqa: E402
-from parallel.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions  # noqa: E402
+from parallel.pipeline.schedule import (  # noqa: E402
+    BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions, v_shaped,
+)
 from parallel.pipeline.simulate import draw_timeline, simulate, uniform_costs  # noqa: E402
 
 DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
             "weight": "", "sends": "block", "actions": ""}
-USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b|zb_h1] OUT.png"
+USAGE = "usage: visualize_schedule.py [pp=N] [vpp=N] [microbatches=N] [schedule=gpipe|1f1b|interleaved_1f1b|zb_h1|zbv] OUT.png"
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], str]:
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> None:
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     timeline = simulate(programs, pp, vpp, costs, sends_block=options["sends"] == "block",
-                        receives_ahead=options["sends"] == "ahead")
+                        receives_ahead=options["sends"] == "ahead", v_shape=v_shaped(options["schedule"]))
     title = f"{effective_schedule(options['schedule'], vpp)}  pp={pp} vpp={vpp} microbatches={m}"
     draw_timeline(timeline, out, title)
     if options["actions"]:
@@ -63,12 +65,15 @@ def main(argv: list[str]) -> None:
 
 
 def analytic_bubble(schedule: str, pp: int, vpp: int, m: int, costs) -> float | None:
-    """(pp - 1) / (vpp m + pp - 1); for zb_h1 the paper's (pp - 1) / (3m + pp - 1), which assumes that F,
-    B and W cost the same (None otherwise)."""
-    if schedule != "zb_h1":
+    """(pp - 1) / (vpp m + pp - 1); for zb_h1 the paper's (pp - 1) / (3m + pp - 1), and for zbv, from
+    2pp - 1 microbatches, (pp - 1) / (6m + pp - 1) (half a stage per chunk): both assume that F, B and W
+    cost the same (None otherwise)."""
+    if schedule not in ("zb_h1", "zbv"):
         return (pp - 1) / (vpp * m + pp - 1)
     if len({costs(Action(0, op, 0, 0)) for op in (FORWARD, BACKWARD, WEIGHT)}) > 1:
         return None
+    if schedule == "zbv":
+        return (pp - 1) / (6 * m + pp - 1) if m >= 2 * pp - 1 else None
     return (pp - 1) / (3 * m + pp - 1)
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.channels import channel_count
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.layers import chunk_layers
+from parallel.pipeline.layers import chunk_layers, stage_index
 from parallel.pipeline.schedule import schedule_actions
 from parallel.regional_compile import compile_forward
 from parallel.tensor_parallel import TPContext
@@ -69,16 +69,17 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
     """This pipeline rank's model chunks, on the meta device (parallelize() gives each FSDP unit its
     initial values as it shards it). Parameter names are those of the whole model, so every layout
     initializes and checkpoints the same parameters under the same names."""
-    pp, vpp, n_layers = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.model.n_layers
+    pp, vpp, n_layers, v_shape = (cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.model.n_layers,
+                                  cfg.pipeline_v_shape)
     ends = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
+    stages = [stage_index(pp, pp_rank, chunk, v_shape) for chunk in range(vpp)]
     with torch.device("meta"):
         return [
             Transformer(
-                cfg.model, tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk, *ends),
-                embedding=chunk == 0 and pp_rank == 0, head=chunk == vpp - 1 and pp_rank == pp - 1, cp=cp,
-                blocks=blocks,
+                cfg.model, tp, chunk_layers(n_layers, pp, vpp, pp_rank, chunk, *ends, v_shape=v_shape),
+                embedding=stage == 0, head=stage == pp * vpp - 1, cp=cp, blocks=blocks,
             )
-            for chunk in range(vpp)
+            for chunk, stage in enumerate(stages)
         ]
 
 
@@ -155,4 +156,4 @@ def build_runtime(
     shape = (cfg.microbatch_size, seq, cfg.model.dim)
     pp, vpp = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
     return PipelineRuntime(program, pp, chunks, roots, mesh.group("pp"), shape, dtype, device,
-                           mesh.pipeline_channels(channel_count(pp, vpp)))
+                           mesh.pipeline_channels(channel_count(pp, vpp)), cfg.pipeline_v_shape)

@@ -142,7 +142,7 @@ class StepRunner:
         elif self.cfg.nan_policy == "skip":
             discard_step_amaxes(self.fp8_gemms)  # a skipped step's (non-finite) amaxes never enter the history
         else:
-            unit = first_nonfinite_unit(self.roots, self.mesh.rank_in("pp"), self.mesh.dims.pp)
+            unit = first_nonfinite_unit(self.roots, self.runtime.stages)
             raise FloatingPointError(halt_message(step, loss, norm, unit))
         self.optimizer.zero_grad()
         if self.device.type == "cuda":
@@ -215,7 +215,7 @@ class StepRunner:
     def _reads_batch(self) -> bool:
         """Only the first stage reads the inputs and only the last the targets; block_causal attention
         needs the documents on every stage."""
-        return self._block_causal or self.mesh.rank_in("pp") in (0, self.mesh.dims.pp - 1)
+        return self._block_causal or any(c.tok_embeddings is not None or c.head is not None for c in self.chunks)
 
     def _read_batch(self, loader: BatchLoader, index: int) -> tuple[list, list]:
         """Batch `index`'s whole microbatches and this CP rank's cut of them; both empty on a stage that

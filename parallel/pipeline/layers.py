@@ -1,6 +1,9 @@
-"""Which layers each pipeline stage runs.
+"""Which layers each pipeline stage runs, and which rank and chunk hold each stage.
 
-Virtual stage s = chunk c x pp + rank r holds a contiguous block of layers, in stage order. By default
+Stages are placed in a loop: virtual stage s = chunk c x pp + rank r. The V-shaped zero-bubble schedule
+(zbv, two chunks per rank) places them in a V instead: rank r holds stage r (chunk 0) and stage
+2pp - 1 - r (chunk 1), so the first and the last stage both sit on rank 0 and the hand-over at the V's
+turn stays on rank pp - 1. Each stage holds a contiguous block of layers, in stage order. By default
 every stage holds the same count. `first` and `last` (Megatron's decoder_first/last_pipeline_num_layers)
 give stage 0 (chunk 0 of rank 0) and the last stage (the last chunk of the last rank) their own counts:
 those stages also run the embedding and the output head. The other stages split the rest evenly.
@@ -65,10 +68,24 @@ def check_virtual_split(n_layers: int, pp: int, per_stage: int, first: int | Non
         )
 
 
+def stage_index(pp: int, rank: int, chunk: int, v_shape: bool = False) -> int:
+    """The virtual stage that chunk `chunk` of rank `rank` runs."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def stage_place(stage: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
+    """(rank, chunk) that run a virtual stage: stage_index's inverse."""
+    if v_shape:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
 def chunk_layers(n_layers: int, pp: int, vpp: int, rank: int, chunk: int, first: int | None = None,
-                 last: int | None = None) -> range:
-    """The global layer indices of chunk `chunk` of rank `rank` (virtual stage chunk x pp + rank)."""
+                 last: int | None = None, v_shape: bool = False) -> range:
+    """The global layer indices of chunk `chunk` of rank `rank` (its virtual stage by stage_index)."""
     counts = stage_layer_counts(n_layers, pp, vpp, first, last)
-    stage = chunk * pp + rank
+    stage = stage_index(pp, rank, chunk, v_shape)
     start = sum(counts[:stage])
     return range(start, start + counts[stage])

@@ -9,9 +9,9 @@ interleaving), once per step, and nothing waits for the schedule's end to start 
 Tensors between stages have a fixed shape and dtype (no shape exchange): activations forward,
 their gradients backward. Received activations become leaves that require grad; their `.grad` after
 the chunk's backward is what goes upstream. A hand-over between two chunks of one rank (the last
-stage of a round feeding the first of the next, when pp = 1) skips the network.
+stage of a round feeding the first of the next when pp = 1, or the V's turn under zbv) skips the network.
 
-A program with W actions (zb_h1) splits each backward: B runs under parallel/weight_grads.py's
+A program with W actions (zb_h1, zbv) splits each backward: B runs under parallel/weight_grads.py's
 deferring, so the linears compute only input gradients and queue their weight-gradient GEMMs, and the
 FSDP reductions of the microbatch that reduces queue behind them; W runs that queue. The marks stay
 where they were; what moves is the reduction: into the chunk's last W, its last B's, so each unit
@@ -44,8 +44,9 @@ from torch.profiler import record_function
 from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
 from parallel.pipeline.channels import channel_count, split_batch
+from parallel.pipeline.layers import stage_index
 from parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, following_batches, forward_only, stage_of,
+    BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, following_batches, forward_only,
     transfer_key,
 )
 
@@ -63,11 +64,11 @@ class PipelineRuntime:
     def __init__(
         self, program: list[Action], pp: int, chunks: list[nn.Module], roots: list[FSDPRoot],
         group: ProcessGroup | None, activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-        channels: list[ProcessGroup] | None = None,
+        channels: list[ProcessGroup] | None = None, v_shape: bool = False,
     ):
-        """`chunks[c]` is local chunk c (stage c * pp + rank) and `roots[c]` its FSDP root. `channels`: the
-        communicators over the pipeline ranks that transfers are spread over (channel_count of them);
-        None: every transfer on `group`."""
+        """`chunks[c]` is local chunk c (stage c * pp + rank, or layers.stage_index's V under `v_shape`) and
+        `roots[c]` its FSDP root. `channels`: the communicators over the pipeline ranks that transfers are
+        spread over (channel_count of them); None: every transfer on `group`."""
         self.pp, self.chunks, self.roots, self.group = pp, chunks, roots, group
         self.channels = channels or [group]
         if device.type == "cuda" and pp > 1 and len(self.channels) != channel_count(pp, len(chunks)):
@@ -76,8 +77,9 @@ class PipelineRuntime:
                              f"(channels.channel_count), got {len(self.channels)}")
         # Receives posted a batch ahead (gloo moves data only once its receive is posted); see above.
         self.receives_ahead = device.type == "cpu"
-        self.rank = program[0].rank
+        self.rank, self.v_shape = program[0].rank, v_shape
         self.num_stages = pp * len(chunks)
+        self.stages = [stage_index(pp, self.rank, c, v_shape) for c in range(len(chunks))]  # of each local chunk
         self.steps = batched(program)
         self.forward_steps = batched(forward_only(program))
         self.shape, self.dtype, self.device = activation_shape, dtype, device
@@ -154,7 +156,7 @@ class PipelineRuntime:
     def _forward(self, a: Action, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs,
                  keep_for_backward: bool) -> None:
         self._mark(a)
-        stage = stage_of(a, self.pp)
+        stage = self.stages[a.chunk]
         if stage == 0:
             x = inputs(a.microbatch)
         else:
@@ -171,7 +173,7 @@ class PipelineRuntime:
 
     def _backward(self, a: Action) -> None:
         self._mark(a)
-        stage = stage_of(a, self.pp)
+        stage = self.stages[a.chunk]
         x, y = self._saved.pop((a.chunk, a.microbatch))
         if stage == self.num_stages - 1:
             torch.autograd.backward(y)
@@ -195,7 +197,7 @@ class PipelineRuntime:
         """Hand an output to its consumer; True when it goes out through the network."""
         consumer = downstream(stage, op, self.num_stages)
         key = (op, consumer, a.microbatch)
-        if consumer % self.pp == self.rank:
+        if consumer in self.stages:
             self._inbox[key] = tensor.contiguous()
             return False
         if tensor.shape != self.shape or tensor.dtype != self.dtype:
@@ -238,7 +240,7 @@ class PipelineRuntime:
             self._post(following, receives=True)
         for a in batch:
             if a.op in (RECV_F, RECV_B):
-                key = transfer_key(a, self.pp, self.num_stages)
+                key = transfer_key(a, self.pp, self.num_stages, self.v_shape)
                 tensor, work, group, label = self._receiving.pop(key)
                 comm.wait(work, "recv", group, label)
                 self._inbox[key] = tensor
@@ -248,7 +250,7 @@ class PipelineRuntime:
         for channel, actions in split_batch(batch, self.pp, len(self.chunks), len(self.channels)):
             group, ops, keys = self.channels[channel], [], []
             for a in actions:
-                key = transfer_key(a, self.pp, self.num_stages)
+                key = transfer_key(a, self.pp, self.num_stages, self.v_shape)
                 if (a.op in (RECV_F, RECV_B)) != receives or key in self._receiving:
                     continue
                 keys.append(key)

@@ -1,15 +1,17 @@
 """Pipeline schedules as data: one list of actions per rank, readable, diffable, simulatable.
 
 A pipeline of `pp` ranks with `vpp` model chunks per rank has pp x vpp virtual stages; chunk c of rank
-r is stage c * pp + r. A microbatch's forward runs through the stages in order, its backward in reverse.
+r is stage c * pp + r (in a V under zbv: layers.stage_index). A microbatch's forward runs through the
+stages in order, its backward in reverse.
 
 Building a schedule has two parts:
 
 1. The compute order of each rank, from the schedule's rule: `gpipe` (all forwards, then all
    backwards), `1f1b` (PipeDream-flush: warm-up forwards, steady one-forward-one-backward, cool-down
    backwards), `interleaved_1f1b` (Megatron's order over groups of microbatches, the groups
-   searched: see interleaved_groups) or `zb_h1` (1F1B with each backward split into B, the input
-   gradient, and W, the weight gradients, deferred to fill the bubble: see _zero_bubble_h1). As in
+   searched: see interleaved_groups), or a zero-bubble one, whose backwards are split into B, the input
+   gradient, and W, the weight gradients, deferred to fill the bubble (zero_bubble.py): `zb_h1` (1F1B's
+   order, one chunk per rank) or `zbv` (two chunks per rank placed in a V, see layers.py). As in
    Megatron, `1f1b` over more than one chunk per rank is the interleaved one: virtual stages alone
    turn interleaving on.
 2. The point-to-point transfers, placed by list-scheduling the compute orders with unit costs
@@ -27,40 +29,17 @@ unbatched p2p). Batched, the order is not what makes progress: with an odd pp an
 ranks pp-1 and 0 are both even.
 """
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from parallel.errors import ConfigError
+from parallel.pipeline.actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, WEIGHT, Action
+from parallel.pipeline.layers import stage_index, stage_place
+from parallel.pipeline.zero_bubble import zero_bubble_h1, zero_bubble_v
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-# W: the weight gradients of a backward whose B computed only the input gradient (zb_h1).
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 # Unit costs used to place transfers: a backward computes two matmuls per forward one, one for the
 # input gradient (B) and one for the weights' (W).
 _PLACEMENT_COST = {FORWARD: 1, BACKWARD: 2, WEIGHT: 1}
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's program. For transfers, `chunk` is the local chunk that produced (SEND)
-    or will consume (RECV) the tensor, and `peer` the other pipeline rank."""
-
-    rank: int
-    op: str
-    chunk: int
-    microbatch: int
-    peer: int | None = None
-
-    @property
-    def is_compute(self) -> bool:
-        return self.op in (FORWARD, BACKWARD, WEIGHT)
-
-    def __str__(self) -> str:
-        text = f"r{self.rank} {self.op} c{self.chunk} m{self.microbatch}"
-        if self.peer is None:
-            return text
-        return f"{text} {'->' if self.op.startswith('SEND') else '<-'} r{self.peer}"
 
 
 def effective_schedule(schedule: str, vpp: int) -> str:
@@ -87,6 +66,11 @@ def check_layout(schedule: str, vpp: int) -> None:
             f"pipeline_schedule=zb_h1 runs one chunk per rank, but num_layers_per_virtual_pipeline_stage "
             f"gives {vpp}; unset num_layers_per_virtual_pipeline_stage or use pipeline_schedule=1f1b (interleaved)"
         )
+    if schedule == "zbv" and vpp != 2:
+        raise ConfigError(
+            f"pipeline_schedule=zbv runs exactly 2 chunks per rank, got {vpp}: set num_layers_per_virtual_pipeline_stage "
+            "so that model.n_layers / (pipeline_parallel_size x it) = 2"
+        )
 
 
 def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
@@ -98,7 +82,9 @@ def compute_order(schedule: str, pp: int, vpp: int, microbatches: int, rank: int
     if schedule == "interleaved_1f1b":
         return _interleaved_order(pp, vpp, rank, *interleaved_groups(pp, vpp, microbatches))
     if schedule == "zb_h1":
-        return _zero_bubble_h1(pp, microbatches, rank)
+        return zero_bubble_h1(pp, microbatches, rank)
+    if schedule == "zbv":
+        return zero_bubble_v(pp, microbatches, rank)
     forwards = [(0, mb) for mb in range(microbatches)]
     warmup = microbatches if schedule == "gpipe" else min(pp - rank - 1, microbatches)
     return _one_f_one_b(rank, forwards, forwards, warmup)
@@ -216,32 +202,18 @@ def _one_f_one_b(rank: int, forwards: list, backwards: list, warmup: int) -> lis
     return order
 
 
-def _zero_bubble_h1(pp: int, microbatches: int, rank: int) -> list[Action]:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and input
-    gradients (B), each B followed by a W; rank r holds its first r W back, runs the later ones r
-    behind their B and the held ones at the end, where they fill the cool-down's wait for B's from
-    downstream. A microbatch's activations live from F to W: at most pp on any rank, as in 1F1B. Ws run
-    in B order, so each chunk's last W is its last B's (the one that reduces FSDP's gradients)."""
-    warmup = min(pp - rank - 1, microbatches)
-    order = [Action(rank, FORWARD, 0, mb) for mb in range(warmup)]
-    weights = 0
-    for mb in range(microbatches):
-        if warmup + mb < microbatches:
-            order.append(Action(rank, FORWARD, 0, warmup + mb))
-        order.append(Action(rank, BACKWARD, 0, mb))
-        if mb >= rank:
-            order.append(Action(rank, WEIGHT, 0, weights))
-            weights += 1
-    return order + [Action(rank, WEIGHT, 0, mb) for mb in range(weights, microbatches)]
-
-
 def splits_backward(schedule: str) -> bool:
     """Whether the schedule's backwards are B (input gradient) plus a later W (weight gradients)."""
-    return schedule == "zb_h1"
+    return schedule in ("zb_h1", "zbv")
 
 
-def stage_of(action: Action, pp: int) -> int:
-    return action.chunk * pp + action.rank
+def v_shaped(schedule: str) -> bool:
+    """Whether the schedule places its stages in a V (layers.stage_index) rather than a loop."""
+    return schedule == "zbv"
+
+
+def stage_of(action: Action, pp: int, v_shape: bool = False) -> int:
+    return stage_index(pp, action.rank, action.chunk, v_shape)
 
 
 def upstream(stage: int, op: str, num_stages: int) -> int | None:
@@ -271,17 +243,19 @@ def pipeline_actions(schedule: str, pp: int, vpp: int, microbatches: int) -> tup
     """Every rank's program: compute actions with their transfers placed (see the module docstring)."""
     orders = [compute_order(schedule, pp, vpp, microbatches, r) for r in range(pp)]
     start, end = _list_schedule(orders, pp, vpp, schedule, microbatches)
-    num_stages = pp * vpp
+    num_stages, v_shape = pp * vpp, v_shaped(schedule)
     batches: dict[tuple[int, int], list[Action]] = {}  # (rank, slot time) -> transfers
     for order in orders:
         for a in order:
-            consumer = downstream(stage_of(a, pp), a.op, num_stages)
-            if consumer is None or consumer % pp == a.rank:
-                continue  # the pipeline's end, or a hand-over between chunks of one rank
-            peer, slot = consumer % pp, end[a]
+            consumer = downstream(stage_of(a, pp, v_shape), a.op, num_stages)
+            if consumer is None:
+                continue  # the pipeline's end
+            (peer, chunk), slot = stage_place(consumer, pp, v_shape), end[a]
+            if peer == a.rank:
+                continue  # a hand-over between chunks of one rank
             send, recv = (SEND_F, RECV_F) if a.op == FORWARD else (SEND_B, RECV_B)
             batches.setdefault((a.rank, slot), []).append(Action(a.rank, send, a.chunk, a.microbatch, peer))
-            batches.setdefault((peer, slot), []).append(Action(peer, recv, consumer // pp, a.microbatch, a.rank))
+            batches.setdefault((peer, slot), []).append(Action(peer, recv, chunk, a.microbatch, a.rank))
     programs = []
     for rank, order in enumerate(orders):
         # A batch at slot t runs after computes that started before t and before those starting at t.
@@ -299,7 +273,7 @@ def _parity_sorted(ops: list[Action], rank: int) -> list[Action]:
 def _list_schedule(orders: list[list[Action]], pp: int, vpp: int, schedule: str, microbatches: int):
     """Start and end time of every compute action at unit costs, each as early as its rank and its
     inputs allow. Raises ConfigError when the orders wait on each other forever."""
-    num_stages = pp * vpp
+    num_stages, v_shape = pp * vpp, v_shaped(schedule)
     done: dict[tuple[str, int, int], int] = {}  # (op, stage, mb) -> end time
     start: dict[Action, int] = {}
     end: dict[Action, int] = {}
@@ -310,13 +284,13 @@ def _list_schedule(orders: list[list[Action]], pp: int, vpp: int, schedule: str,
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 a = order[position[rank]]
-                ready = _ready_time(a, pp, num_stages, done)
+                ready = _ready_time(a, pp, num_stages, done, v_shape)
                 if ready is None:
                     break
                 start[a] = max(free_at[rank], ready)
                 cost = 1 if a.op == BACKWARD and splits_backward(schedule) else _PLACEMENT_COST[a.op]
                 end[a] = free_at[rank] = start[a] + cost
-                done[(a.op, stage_of(a, pp), a.microbatch)] = end[a]
+                done[(a.op, stage_of(a, pp, v_shape), a.microbatch)] = end[a]
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -328,9 +302,9 @@ def _list_schedule(orders: list[list[Action]], pp: int, vpp: int, schedule: str,
     return start, end
 
 
-def _ready_time(a: Action, pp: int, num_stages: int, done: dict) -> int | None:
+def _ready_time(a: Action, pp: int, num_stages: int, done: dict, v_shape: bool) -> int | None:
     """When a compute action's inputs exist (None: not yet computed)."""
-    stage = stage_of(a, pp)
+    stage = stage_of(a, pp, v_shape)
     needs = []
     if a.op in (BACKWARD, WEIGHT):  # a backward after its forward, a W after its B
         needs.append((FORWARD if a.op == BACKWARD else BACKWARD, stage, a.microbatch))
@@ -342,10 +316,10 @@ def _ready_time(a: Action, pp: int, num_stages: int, done: dict) -> int | None:
     return max((done[n] for n in needs), default=0)
 
 
-def transfer_key(a: Action, pp: int, num_stages: int) -> tuple[str, int, int]:
+def transfer_key(a: Action, pp: int, num_stages: int, v_shape: bool = False) -> tuple[str, int, int]:
     """What a SEND/RECV carries, the same on both sides: (the op that consumes it, the consuming
     stage, microbatch)."""
-    stage = stage_of(a, pp)
+    stage = stage_of(a, pp, v_shape)
     if a.op in (RECV_F, RECV_B):
         return (FORWARD if a.op == RECV_F else BACKWARD, stage, a.microbatch)
     op = FORWARD if a.op == SEND_F else BACKWARD

@@ -20,6 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from parallel.pipeline.layers import stage_place
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, WEIGHT, Action, batched, downstream, following_batches, stage_of, transfer_key, upstream,
 )
@@ -85,8 +86,9 @@ class Timeline:
 
 class _Simulation:
     def __init__(self, programs: list[list[Action]], pp: int, vpp: int, cost: CostFn, sends_block: bool,
-                 receives_ahead: bool):
+                 receives_ahead: bool, v_shape: bool):
         self.pp, self.vpp, self.num_stages, self.cost, self.sends_block = pp, vpp, pp * vpp, cost, sends_block
+        self.v_shape = v_shape
         self.receives_ahead = receives_ahead and not sends_block
         self.unwaited: list[list[tuple]] = [[] for _ in range(pp)]  # per rank: ((key, True), action) of sends
         self.splits = [any(a.op == WEIGHT for a in p) for p in programs]  # per rank: B and W apart
@@ -121,7 +123,7 @@ class _Simulation:
         return done
 
     def _compute(self, rank: int, a: Action) -> bool:
-        stage = stage_of(a, self.pp)
+        stage = stage_of(a, self.pp, self.v_shape)
         needs = [(a.op, stage, a.microbatch)] if upstream(stage, a.op, self.num_stages) is not None else []
         if a.op in (BACKWARD, WEIGHT):  # its forward's activations, its B's stash
             needs.append(("done" if a.op == BACKWARD else "input gradient", stage, a.microbatch))
@@ -135,7 +137,7 @@ class _Simulation:
         self.clock[rank] = start + cost
         self.timeline.spans[rank].append(Span(a, start, self.clock[rank]))
         consumer = downstream(stage, a.op, self.num_stages)
-        if consumer is not None and consumer % self.pp == rank:  # hand-over between local chunks
+        if consumer is not None and stage_place(consumer, self.pp, self.v_shape)[0] == rank:  # a local hand-over
             self.available[rank].add((a.op, consumer, a.microbatch))
         if a.op == FORWARD:
             self.available[rank].add(("done", stage, a.microbatch))
@@ -167,7 +169,7 @@ class _Simulation:
 
     def _operations(self, batch: list[Action]) -> list[tuple]:
         """((transfer key, is a send), action) of each of a batch's operations."""
-        return [((transfer_key(a, self.pp, self.num_stages), a.op.startswith("SEND")), a) for a in batch]
+        return [((transfer_key(a, self.pp, self.num_stages, self.v_shape), a.op.startswith("SEND")), a) for a in batch]
 
     def _wait(self, rank: int, ops: list[tuple]) -> bool:
         """Whether every op's counterpart is posted; if so the rank's clock moves to their completion."""
@@ -179,9 +181,10 @@ class _Simulation:
 
 
 def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_block: bool = True,
-             receives_ahead: bool = False) -> Timeline:
-    """Time every rank's program; raises ScheduleError on a deadlock or a missing input."""
-    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, receives_ahead).run()
+             receives_ahead: bool = False, v_shape: bool = False) -> Timeline:
+    """Time every rank's program (stages placed in a V with `v_shape`: zbv's); raises ScheduleError on a
+    deadlock or a missing input."""
+    return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, receives_ahead, v_shape).run()
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:

@@ -1,7 +1,7 @@
 """The schedule a run will use, in one line for its log: what the simulator says of it."""
 
 from parallel.pipeline.schedule import (
-    effective_schedule, interleaved_groups, interleaved_peak, interleaved_peak_bound, pipeline_actions,
+    effective_schedule, interleaved_groups, interleaved_peak, interleaved_peak_bound, pipeline_actions, v_shaped,
 )
 from parallel.pipeline.simulate import simulate
 
@@ -21,7 +21,8 @@ def schedule_summary(schedule: str, pp: int, vpp: int, microbatches: int) -> str
     """Schedule, group sizes, simulated bubble (uniform costs, the runtime's non-blocking sends), peak
     microbatches held, and whether plain 1F1B would finish first by the same measure."""
     schedule = effective_schedule(schedule, vpp)
-    timeline = simulate(pipeline_actions(schedule, pp, vpp, microbatches), pp, vpp, sends_block=False)
+    timeline = simulate(pipeline_actions(schedule, pp, vpp, microbatches), pp, vpp, sends_block=False,
+                        v_shape=v_shaped(schedule))
     text = f"pipeline schedule {schedule}: pp={pp} vpp={vpp} microbatches={microbatches}"
     if schedule == "interleaved_1f1b":
         groups, warmup_group = interleaved_groups(pp, vpp, microbatches)

@@ -2,14 +2,15 @@
 modules, plus what our FSDP units cost with nothing to shard, the measured bubble beside the simulated
 one, and the p2p bytes a rank holds. CPU gloo, pp = 2 ranks of one thread each (one core per rank).
 
-Three sides per configuration (schedule 1f1b, interleaved_1f1b or zb_h1; M), built from the same weights:
+Three sides per configuration (schedule 1f1b, interleaved_1f1b, zb_h1 or zbv; M), built from the same weights:
 - "ours": our PipelineRuntime driving plain chunks (the trainer's chunk modules, no FSDP units),
-  with the trainer's loss (token-loss sum over the global token count); under zb_h1 every linear
+  with the trainer's loss (token-loss sum over the global token count); under zb_h1 and zbv every linear
   weight gets a gradient sink that adds into its `.grad`, so B leaves the weight-gradient GEMMs to W
   as FSDP units' sinks do (the bench checks that W ran one per linear weight and microbatch);
 - "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble` (ZB1P, here
-  with one stage per rank: the layout of our zb_h1) over `PipelineStage`s holding plain chunks with
-  the same weights, the same loss (scale_grads=False);
+  with one stage per rank: the layout of our zb_h1) / `ScheduleZBVZeroBubble` (two stages per rank in
+  a V, our zbv's layout) over `PipelineStage`s holding plain chunks with the same weights, the same
+  loss (scale_grads=False);
 - "ours + units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
   the default reshard_after_forward=true, under which each microbatch's forward and backward unshard
   every unit, and optimize_backward_concat=true), its gradient sync included.
@@ -22,7 +23,8 @@ slowest rank's (a barrier before each step); the table gives medians, and ratios
 rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
 beside the simulator's for the same program in the runtime's mode on gloo (receives posted a batch
-ahead, sends waited at the next batch), with each chunk's measured mean forward, backward and (zb_h1) weight-gradient times and free p2p,
+ahead, sends waited at the next batch), with each chunk's measured mean forward, backward and (zb_h1,
+zbv) weight-gradient times and free p2p,
 and beside torch's, from its stages' forward, backward and weight-gradient calls (its loss, about a
 millisecond per microbatch, runs outside them). Peak p2p: the most bytes of outgoing tensors our runtime
 held at once on any rank.
@@ -44,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.pipelining import (  # noqa: E402
-    PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
 )
 
 from model.init import init_weights  # noqa: E402
@@ -53,7 +55,8 @@ from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.channels import channel_count  # noqa: E402
 from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from parallel.pipeline.schedule import Action, pipeline_actions  # noqa: E402
+from parallel.pipeline.layers import stage_index  # noqa: E402
+from parallel.pipeline.schedule import Action, pipeline_actions, splits_backward  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext  # noqa: E402
 from scripts.bench.agreement import require_agreement, worst  # noqa: E402
@@ -65,7 +68,7 @@ from trainer.step import StepRunner, token_loss_sum  # noqa: E402
 
 PP = 2
 SIDES = ("ours", "torch", "units")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 Grads = dict[str, torch.Tensor]
 
 
@@ -86,7 +89,7 @@ class RandomTokens:
 
 def bench_config(model: str, seq: int, pp: int, schedule: str, m: int) -> TrainConfig:
     raw = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml"))
-    per_stage = raw["n_layers"] // (2 * pp) if schedule == "interleaved_1f1b" else None
+    per_stage = raw["n_layers"] // (2 * pp) if schedule in ("interleaved_1f1b", "zbv") else None
     return from_dict({"model": raw, "seq_len": seq, "batch_size": m, "pipeline_parallel_size": pp,
                       "pipeline_schedule": schedule, "num_layers_per_virtual_pipeline_stage": per_stage,
                       "reshard_after_forward": True, "optimize_backward_concat": True})
@@ -163,12 +166,12 @@ class Ours:
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh):
         rank, pp, vpp = dist.get_rank(), cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
         self.chunks, self.m = plain_chunks(cfg, rank), cfg.num_microbatches
-        self.sinks = GradSinks(self.chunks) if cfg.pipeline_schedule == "zb_h1" else None
+        self.sinks = GradSinks(self.chunks) if splits_backward(cfg.pipeline_schedule) else None
         self.data = RandomTokens(self.m, cfg.seq_len, cfg.model.vocab_size)
         program = list(pipeline_actions(cfg.pipeline_schedule, pp, vpp, self.m)[rank])
         self.runtime = PipelineRuntime(program, pp, self.chunks, [_NoMarks()] * vpp, mesh.group("pp"),
                                        (1, cfg.seq_len, cfg.model.dim), torch.float32, torch.device("cpu"),
-                                       mesh.pipeline_channels(channel_count(pp, vpp)))
+                                       mesh.pipeline_channels(channel_count(pp, vpp)), cfg.pipeline_v_shape)
 
     def step(self, step: int, grads: Grads | None = None) -> float:
         tokens, total = self.data.tokens(step), [0.0]
@@ -181,7 +184,7 @@ class Ours:
         calls = self.sinks.calls if self.sinks else 0
         self.runtime.run_step(lambda mb: tokens[mb : mb + 1, :-1], loss)
         if self.sinks and self.sinks.calls - calls != len(self.sinks.weights) * self.m:
-            raise RuntimeError(f"zb_h1: W ran {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
+            raise RuntimeError(f"W ran {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
                                f"weight and microbatch ({len(self.sinks.weights)} x {self.m})")
         take_plain_grads(self.chunks, grads)
         return total[0]
@@ -194,8 +197,9 @@ class Torch:
         rank, pp = dist.get_rank(), cfg.pipeline_parallel_size
         self.chunks = plain_chunks(cfg, rank)
         self.data = RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size)
-        self.first, self.last = rank == 0, rank == pp - 1
-        stages = [self._stage(cfg, chunk, c * pp + rank, pp * len(self.chunks)) for c, chunk in enumerate(self.chunks)]
+        indices = [stage_index(pp, rank, c, cfg.pipeline_v_shape) for c in range(len(self.chunks))]
+        self.first, self.last = 0 in indices, pp * len(self.chunks) - 1 in indices
+        stages = [self._stage(cfg, chunk, index, pp * len(self.chunks)) for chunk, index in zip(self.chunks, indices)]
         # Set to a list to record (action, start, end) of every compute, as our runtime's trace does.
         self.trace: list[tuple[Action, float, float]] | None = None
         for c, stage in enumerate(stages):
@@ -204,6 +208,8 @@ class Torch:
         loss = lambda logits, targets: token_loss_sum(logits, targets) / global_tokens  # noqa: E731
         if cfg.pipeline_schedule == "zb_h1":  # ZB1P; with one stage per rank, ZB-H1's layout
             self.schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss, scale_grads=False)
+        elif cfg.pipeline_schedule == "zbv":
+            self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss, scale_grads=False)
         elif len(stages) == 1:
             self.schedule = Schedule1F1B(stages[0], m, loss_fn=loss, scale_grads=False)
         else:
@@ -316,7 +322,8 @@ def _result(cfg: TrainConfig, world: int, sides: tuple, times: list, check: dict
     ours.runtime.trace = torch_side.trace = None
     vpp = cfg.virtual_pipeline_stages
     program = pipeline_actions(cfg.pipeline_schedule, world, vpp, cfg.num_microbatches)
-    simulated = simulate(program, world, vpp, costs, sends_block=False, receives_ahead=True).bubble_fraction
+    simulated = simulate(program, world, vpp, costs, sends_block=False, receives_ahead=True,
+                         v_shape=cfg.pipeline_v_shape).bubble_fraction
     ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
     p2p = max(comm.all_gather_object(ours.runtime.peak_p2p_bytes, comm.world()))
     return {"schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,

@@ -2,7 +2,8 @@
 chunks per rank, microbatch counts pp, 2pp and one that is not a multiple of pp, against the
 single-process losses and gradient norms; uneven first and last stages, and their checkpoint on an even
 split; exact per-step collective counts; one flat-grad concat per unit per step; p2p memory independent
-of the microbatch count; ZB-H1 against 1F1B, its weight gradients and reductions in W; and the 8-rank
+of the microbatch count; ZB-H1 and ZB-V against 1F1B, their weight gradients and reductions in W, a ZB-V
+checkpoint resumed on 1F1B; and the 8-rank
 tp x pp x dp composition (bf16 bitwise with optimize_backward_concat on and off, fp32 against
 tp=1/pp=1/dp=1)."""
 
@@ -146,34 +147,67 @@ def _zero_bubble_step_record(trainer) -> list[tuple]:
     return record
 
 
-def _check_zero_bubble_h1(rank: int, world: int) -> None:
-    """ZB-H1 on pp 2 (dp 2) and pp 4, M 4 and 8, ZeRO-3 and ZeRO-2: losses and gradient norms within
-    1e-6 of 1F1B's, bitwise with optimize_backward_concat on and off. Each W runs one deferred GEMM per
-    linear of its chunk; B starts no reduction; each unit reduces once per step, in its chunk's last W
-    (one reduce-scatter at dp 2), and concatenates as often as under 1F1B."""
+def _zero_bubble_schedules(pp: int, m: int) -> list[tuple[str, dict]]:
+    """ZB-H1 on every (pp, M); ZB-V (two chunks of 8 / 2pp layers in a V) from 2pp - 1 microbatches."""
+    schedules = [("zb_h1", {})]
+    if m >= 2 * pp - 1:
+        schedules.append(("zbv", {"num_layers_per_virtual_pipeline_stage": MODEL["n_layers"] // (2 * pp)}))
+    return schedules
+
+
+def _check_zero_bubble(rank: int, world: int, root: str) -> None:
+    """ZB-H1 and ZB-V on pp 2 (dp 2) and pp 4, M 4 and 8, ZeRO-3 and ZeRO-2: losses and gradient norms
+    within 1e-6 of 1F1B's, bitwise with optimize_backward_concat on and off. Each W runs one deferred
+    GEMM per linear of its chunk; B starts no reduction; each unit reduces once per step, in its chunk's
+    last W (one reduce-scatter at dp 2), and concatenates as often as under 1F1B. A ZB-V checkpoint
+    resumes on 1F1B's loop placement."""
     for pp, m in itertools.product((2, 4), (4, 8)):
         layout = dict(pipeline_parallel_size=pp, batch_size=m, steps=2, reshard_after_forward=m == 4)
         _, plain = train(config(**layout), world)
-        runs = []
-        for optimize in (False, True):
-            label = f"zb_h1 pp{pp} m{m} optimize_backward_concat={optimize}"
-            trainer = make_trainer(config(pipeline_schedule="zb_h1", optimize_backward_concat=optimize, **layout), world)
-            record = _zero_bubble_step_record(trainer)
-            with counting_concats() as concats:
-                metrics = [trainer.train_step(step) for step in (1, 2)]
-            runs.append(reference_of(metrics))
-            assert_matches(metrics, reference_of(plain), label, rel=1e-6)
-            units = sum(len(root.units) for root in trainer.roots)
-            assert concats[0] == 2 * units * (1 if optimize else m), (label, concats)
-            linears = sum(isinstance(x, (ColumnParallelLinear, RowParallelLinear)) for x in trainer.chunks[0].modules())
-            assert linears and len(record) == 2 * 2 * m, (label, record)
-            for op, _, mb, works, reductions in record:
-                last = op == "W" and mb == m - 1
-                assert reductions == (units if last else 0), (label, record)
-                assert works == (linears + units if last else linears if op == "W" else 0), (label, record)
-            ledger = metrics[-1].comm
-            assert ledger.get("reduce_scatter", {"count": 0})["count"] == (units if world > pp else 0), (label, ledger)
-        assert runs[0] == runs[1], (pp, m, runs)
+        for schedule, chunks in _zero_bubble_schedules(pp, m):
+            runs = []
+            for optimize in (False, True):
+                label = f"{schedule} pp{pp} m{m} optimize_backward_concat={optimize}"
+                cfg = config(pipeline_schedule=schedule, optimize_backward_concat=optimize, **layout, **chunks)
+                trainer = make_trainer(cfg, world)
+                record = _zero_bubble_step_record(trainer)
+                resumes = schedule == "zbv" and optimize
+                with counting_concats() as concats:
+                    metrics = [trainer.train_step(1)]
+                    if resumes:
+                        saved = save_checkpoint(Path(root) / f"zbv_pp{pp}_m{m}", 1, checkpoint_state_of(trainer, rank, 1),
+                                                dist.group.WORLD, rank, {})
+                    metrics.append(trainer.train_step(2))
+                if resumes:
+                    _resume_on_1f1b(saved, layout, plain, rank, world)
+                runs.append(reference_of(metrics))
+                assert_matches(metrics, reference_of(plain), label, rel=1e-6)
+                _check_zero_bubble_work(trainer, record, concats[0], metrics[-1].comm, optimize, label, world)
+            assert runs[0] == runs[1], (schedule, pp, m, runs)
+
+
+def _check_zero_bubble_work(trainer, record: list, concats: int, ledger: dict, optimize: bool, label: str,
+                            world: int) -> None:
+    m, pp = trainer.cfg.num_microbatches, trainer.mesh.dims.pp
+    units = [len(root.units) for root in trainer.roots]
+    assert concats == 2 * sum(units) * (1 if optimize else m), (label, concats)
+    linears = [sum(isinstance(x, (ColumnParallelLinear, RowParallelLinear)) for x in chunk.modules())
+               for chunk in trainer.chunks]
+    assert all(linears) and len(record) == 2 * 2 * m * len(trainer.chunks), (label, record)
+    for op, chunk, mb, works, reductions in record:
+        last = op == "W" and mb == m - 1
+        assert reductions == (units[chunk] if last else 0), (label, record)
+        assert works == (linears[chunk] + units[chunk] if last else linears[chunk] if op == "W" else 0), (label, record)
+    assert ledger.get("reduce_scatter", {"count": 0})["count"] == (sum(units) if world > pp else 0), (label, ledger)
+
+
+def _resume_on_1f1b(saved, layout: dict, plain: list, rank: int, world: int) -> None:
+    """Step 1's checkpoint of a ZB-V trainer, loaded into a 1F1B one: its step 2 is 1F1B's."""
+    loop = make_trainer(config(**layout), world)
+    rng = RNGStreams(0, 0, torch.device("cpu"))
+    assert load_into(saved, checkpoint_state_of(loop, rank, 0), rng, FixedSampler(), dist.group.WORLD) == 1
+    assert_matches([loop.train_step(2)], {key: values[1:] for key, values in reference_of(plain).items()},
+                   "a ZB-V checkpoint resumed under 1f1b", rel=1e-6)
 
 
 def _check_a_loader_of_other_shapes_is_refused(rank: int, world: int) -> None:
@@ -200,7 +234,7 @@ def _p2p_held(cfg, world: int) -> tuple[int, int, int]:
 
     def forwarding(a, *args):
         forward(a, *args)
-        if a.chunk * runtime.pp + a.rank < runtime.num_stages - 1:
+        if runtime.stages[a.chunk] < runtime.num_stages - 1:
             assert runtime._saved[(a.chunk, a.microbatch)][1].untyped_storage().nbytes() == 0, a
 
     comm.batch_isend_irecv, runtime._forward = posting, forwarding
@@ -252,7 +286,7 @@ def _pipeline_ranks(rank: int, world: int, reference: dict, reference_6_layers: 
     _check_one_concat_per_unit(rank, world)
     _check_composition_on_4_ranks(rank, world, reference)
     _check_each_chunk_reduces_in_its_own_last_backward(rank, world)
-    _check_zero_bubble_h1(rank, world)
+    _check_zero_bubble(rank, world, root)
     _check_a_loader_of_other_shapes_is_refused(rank, world)
 
 

@@ -1,6 +1,7 @@
 """torchrun train.py with pipeline parallelism: the loss falls, a resume is bitwise, and a pipeline
 checkpoint reloads without pipeline parallelism (units are keyed by their names in the whole model)
-and under the zero-bubble schedule, pipeline_schedule=zb_h1, which logs its simulated bubble.
+and under the V-shaped zero-bubble schedule, pipeline_schedule=zbv (stages placed in a V), which logs
+its simulated bubble.
 Both resume the straight run's own step-3 checkpoint; a job that dies and resumes in its own dump_dir
 is tests/e2e/test_train.py's."""
 
@@ -40,12 +41,13 @@ def test_interleaved_resume_is_bitwise_and_reloads_without_pipeline(tmp_path):
 
     zero_bubble = tmp_path / "zero_bubble"
     shutil.copytree(step_3, zero_bubble / "checkpoints" / "step_3")
-    proc = train(2, zero_bubble, *FAST, "steps=6", "pipeline_parallel_size=2", "batch_size=3", "pipeline_schedule=zb_h1")
+    proc = train(2, zero_bubble, *FAST, "steps=6", "pipeline_parallel_size=2", "batch_size=3", "pipeline_schedule=zbv",
+                 "num_layers_per_virtual_pipeline_stage=1")
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "pipeline schedule zb_h1: pp=2 vpp=1 microbatches=3, simulated bubble" in proc.stdout + proc.stderr
+    assert "pipeline schedule zbv: pp=2 vpp=2 microbatches=3, simulated bubble" in proc.stdout + proc.stderr
     zero_bubble_run = metrics(zero_bubble)
     assert [r["step"] for r in zero_bubble_run] == [4, 5, 6]
     for record in zero_bubble_run:
         for key in ("loss", "grad_norm"):
             want = straight_run[record["step"]][key]
-            assert math.isclose(record[key], want, rel_tol=1e-5), ("zb_h1", record["step"], key, record[key], want)
+            assert math.isclose(record[key], want, rel_tol=1e-5), ("zbv", record["step"], key, record[key], want)

@@ -14,7 +14,7 @@ from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
 from parallel.pipeline.layers import check_virtual_split, stage_layer_counts
-from parallel.pipeline.schedule import pipeline_actions
+from parallel.pipeline.schedule import pipeline_actions, splits_backward
 from trainer.checkpoint.fingerprint import ALLOWABLE
 from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check_vocab, read_hf_config
 from trainer.checkpoint.resume import resumed_checkpoint
@@ -298,9 +298,9 @@ def _check_compile(cfg: TrainConfig) -> None:
     if cfg.model.use_te_layers:
         raise ConfigError("compile=true with model.use_te_layers=true is not supported: TransformerEngine's modules "
                           "(their autocast and fp8 state) do not trace under torch.compile (use the in-tree blocks)")
-    if cfg.pipeline_schedule == "zb_h1":
-        raise ConfigError("compile=true with pipeline_schedule=zb_h1 is not supported: a zero-bubble B queues its "
-                          "weight-gradient GEMMs from inside the block's backward, which a compiled graph cannot do "
+    if splits_backward(cfg.pipeline_schedule):
+        raise ConfigError(f"compile=true with pipeline_schedule={cfg.pipeline_schedule} is not supported: a "
+                          "zero-bubble B queues its weight-gradient GEMMs from inside the block's backward, which a compiled graph cannot do "
                           "(use pipeline_schedule=1f1b, or compile=false)")
 
 
@@ -369,6 +369,10 @@ def _check_supported(cfg: TrainConfig) -> None:
         raise ConfigError("model.tie_embeddings=true with num_layers_per_virtual_pipeline_stage on one pipeline rank "
                           "(pipeline_parallel_size=1) is not supported yet: unset "
                           "num_layers_per_virtual_pipeline_stage, or use pipeline_parallel_size > 1")
+    if cfg.model.tie_embeddings and cfg.pipeline_v_shape:
+        # The V puts the embedding (stage 0) and the head (the last stage) in two chunks of rank 0.
+        raise ConfigError("model.tie_embeddings=true with pipeline_schedule=zbv is not supported yet: the V places the "
+                          "embedding and the head in two chunks of pipeline rank 0 (use pipeline_schedule=zb_h1 or 1f1b)")
 
 
 def _divisible(key: str, value: int, by_key: str, by: int) -> None:

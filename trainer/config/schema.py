@@ -16,6 +16,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from model.args import ModelArgs
 from parallel.errors import ConfigError
 from parallel.pipeline.layers import virtual_stages
+from parallel.pipeline.schedule import SCHEDULES, v_shaped
 
 
 @dataclass(frozen=True)
@@ -181,12 +182,17 @@ class TrainConfig:
                               self.pipeline_first_stage_layers, self.pipeline_last_stage_layers)
 
     @property
+    def pipeline_v_shape(self) -> bool:
+        """Whether the schedule places the stages in a V (zbv: rank r runs stages r and 2pp - 1 - r)."""
+        return v_shaped(self.pipeline_schedule)
+
+    @property
     def num_microbatches(self) -> int:
         return self.batch_size // self.microbatch_size
 
 
 ENUMS = {
-    "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
+    "pipeline_schedule": SCHEDULES,
     "context_parallel_comm": ("all_gather", "ring"),
     "compute_dtype": (None, "bf16", "fp32"),
     "reduce_dtype": ("bf16", "fp32"),

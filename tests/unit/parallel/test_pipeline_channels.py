@@ -13,13 +13,17 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.channels import channel_count, split_batch
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.schedule import batched, forward_only, pipeline_actions, schedule_actions, transfer_key
+from parallel.pipeline.schedule import (
+    batched, forward_only, pipeline_actions, schedule_actions, transfer_key, v_shaped,
+)
 
 
 def _layouts():
     for pp, vpp in itertools.product(range(2, 9), range(1, 5)):
         for m in sorted({pp, pp + 1, 2 * pp}):
             yield ("interleaved_1f1b" if vpp > 1 else "1f1b"), pp, vpp, m
+            if vpp == 2:
+                yield "zbv", pp, vpp, m
 
 
 def _calls(program, pp: int, vpp: int):
@@ -39,7 +43,7 @@ def test_on_each_channel_a_rank_only_sends_or_only_receives_in_its_peers_order()
                     kinds.setdefault((rank, channel), set()).add(kind)
                     pair = (rank, a.peer) if kind == "SEND" else (a.peer, rank)
                     sequences.setdefault((channel, *pair, kind == "SEND"), []).append(
-                        transfer_key(a, pp, pp * vpp))
+                        transfer_key(a, pp, pp * vpp, v_shaped(schedule)))
         assert all(len(k) == 1 for k in kinds.values()), (schedule, pp, vpp, m, kinds)
         assert max(c for _, c in kinds) < channel_count(pp, vpp)
         for (channel, sender, receiver, is_send), keys in sequences.items():
@@ -61,7 +65,7 @@ def test_the_runtime_posts_sends_and_receives_in_calls_of_their_own(world, monke
     runtime posts the batch's sends, one call per channel, then its receives, or (receiving ahead, as on
     the CPU) the next batch's (the first batch's own before), each call only sending or only receiving,
     each on its channel's group; receiving ahead, a batch's receives are waited only after the next
-    batch's are posted. Training steps and forward-only ones (evaluation), 1F1B, interleaved and zb_h1."""
+    batch's are posted. Training steps and forward-only ones (evaluation), 1F1B, interleaved, zb_h1 and zbv."""
     log, posted = [], []
 
     def coalescing(p2p):
@@ -76,7 +80,8 @@ def test_the_runtime_posts_sends_and_receives_in_calls_of_their_own(world, monke
     # The channels are one-rank groups here, which torch's P2POp would refuse a peer of.
     monkeypatch.setattr(comm.dist, "P2POp", lambda op, tensor, group, group_peer: SimpleNamespace(
         op=op, tensor=tensor, group=group, peer=group_peer))
-    cases = itertools.product((("1f1b", 2, 2), ("1f1b", 3, 2), ("1f1b", 4, 1), ("zb_h1", 3, 1)), (False, True),
+    cases = itertools.product((("1f1b", 2, 2), ("1f1b", 3, 2), ("1f1b", 4, 1), ("zb_h1", 3, 1), ("zbv", 3, 2)),
+                              (False, True),
                               (False, True))
     for (schedule, pp, vpp), receives_ahead, forward in cases:
         channels = [dist.new_group([0]) for _ in range(channel_count(pp, vpp))]
@@ -84,7 +89,7 @@ def test_the_runtime_posts_sends_and_receives_in_calls_of_their_own(world, monke
             program = schedule_actions(schedule, pp, vpp, 2 * pp, rank)
             runtime = PipelineRuntime(program, pp, [torch.nn.Linear(4, 4) for _ in range(vpp)],
                                       [_Root()] * vpp, channels[0], (2, 4), torch.float32, torch.device("cpu"),
-                                      channels)
+                                      channels, v_shaped(schedule))
             runtime.receives_ahead = receives_ahead
             log.clear(), posted.clear()
             if forward:

@@ -4,6 +4,7 @@ against the analytic values and against torch.distributed.pipelining's interleav
 import itertools
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 
 from parallel.errors import ConfigError
 from parallel.pipeline import schedule as S
+from parallel.pipeline.layers import stage_index, stage_place
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import Action, pipeline_actions, schedule_actions
 from parallel.pipeline.simulate import ScheduleError, random_costs, simulate, uniform_costs
@@ -20,7 +22,7 @@ from tests import REPO
 def _cases():
     for pp, vpp in itertools.product((1, 2, 4), (1, 2, 3)):
         for schedule in S.SCHEDULES:
-            if (schedule == "interleaved_1f1b") == (vpp > 1):
+            if (schedule in ("interleaved_1f1b", "zbv")) == (vpp > 1) and (schedule != "zbv" or vpp == 2):
                 for m in range(1, 3 * pp + 1):
                     yield schedule, pp, vpp, m
 
@@ -30,7 +32,7 @@ def test_every_schedule_is_valid_and_never_deadlocks():
         programs = pipeline_actions(schedule, pp, vpp, m)
         for rank, program in enumerate(programs):
             computes = [(a.op, a.chunk, a.microbatch) for a in program if a.is_compute]
-            ops = "FBW" if schedule == "zb_h1" else "FB"
+            ops = "FBW" if S.splits_backward(schedule) else "FB"
             expected = {(op, c, mb) for op in ops for c in range(vpp) for mb in range(m)}
             assert sorted(computes) == sorted(expected), (schedule, pp, vpp, m, rank)  # each exactly once
             for op, c, mb in computes:
@@ -39,9 +41,10 @@ def test_every_schedule_is_valid_and_never_deadlocks():
                     assert computes.index((before, c, mb)) < computes.index((op, c, mb))
             assert all(a.rank == rank for a in program)
         # Timings of every kind: the simulator raises on a deadlock or on a compute without its input.
+        v_shape = S.v_shaped(schedule)
         for seed in range(3):
-            simulate(programs, pp, vpp, random_costs(seed))
-        simulate(programs, pp, vpp, uniform_costs(1.0, 1.0, 0.5))
+            simulate(programs, pp, vpp, random_costs(seed), v_shape=v_shape)
+        simulate(programs, pp, vpp, uniform_costs(1.0, 1.0, 0.5), v_shape=v_shape)
 
 
 def test_sends_and_receives_pair_up_in_order():
@@ -54,7 +57,8 @@ def test_sends_and_receives_pair_up_in_order():
                 if not a.is_compute:
                     sender, receiver = (a.rank, a.peer) if a.op.startswith("SEND") else (a.peer, a.rank)
                     side = "send" if a.op.startswith("SEND") else "recv"
-                    channels.setdefault((sender, receiver, side), []).append(S.transfer_key(a, pp, pp * vpp))
+                    channels.setdefault((sender, receiver, side), []).append(
+                        S.transfer_key(a, pp, pp * vpp, S.v_shaped(schedule)))
         for (sender, receiver, side), keys in channels.items():
             if side == "send":
                 assert keys == channels[(sender, receiver, "recv")], (schedule, pp, vpp, m, sender, receiver)
@@ -160,6 +164,8 @@ def test_1f1b_with_virtual_stages_is_the_interleaved_schedule():
     ("interleaved_1f1b", 2, 1, 4, "needs at least 2 virtual stages"),
     ("gpipe", 2, 2, 4, "runs one chunk per rank"),
     ("zb_h1", 2, 2, 4, "pipeline_schedule=zb_h1 runs one chunk per rank"),
+    ("zbv", 2, 1, 4, "pipeline_schedule=zbv runs exactly 2 chunks per rank, got 1"),
+    ("zbv", 2, 3, 4, "pipeline_schedule=zbv runs exactly 2 chunks per rank, got 3"),
     ("zero_bubble", 2, 1, 4, "pipeline_schedule=zero_bubble is not one of"),
     ("1f1b", 2, 1, 0, "must be >= 1"),
 ])
@@ -169,7 +175,8 @@ def test_bad_layouts_are_one_line(schedule, pp, vpp, m, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("layout", [["vpp=2", "schedule=interleaved_1f1b"], ["schedule=zb_h1", "weight=1"]])
+@pytest.mark.parametrize("layout", [["vpp=2", "schedule=interleaved_1f1b"], ["schedule=zb_h1", "weight=1"],
+                                    ["vpp=2", "schedule=zbv", "weight=1"]])
 def test_visualize_schedule_draws_a_png(tmp_path, layout):
     out = tmp_path / "schedule.png"
     proc = subprocess.run(
@@ -277,3 +284,52 @@ def test_the_runtime_refuses_a_program_whose_last_w_is_not_its_last_backwards():
     program[w0], program[w1] = program[w1], program[w0]
     with pytest.raises(ValueError, match="last W must be of its last backward's microbatch"):
         PipelineRuntime(program, 1, [], [], None, (1, 1, 1), torch.float32, torch.device("cpu"))
+
+
+def test_zero_bubble_v_places_stages_in_a_v_and_runs_torchs_order():
+    """Rank r runs stages r and 2pp - 1 - r: rank 0 the first and the last, every transfer between
+    neighbours, the V's turn on rank pp - 1 without the network. The compute order is that of
+    torch.distributed.pipelining's ScheduleZBVZeroBubble, for every pp up to 8 and M up to 4pp + 2."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    names = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "B", _ComputationType.BACKWARD_WEIGHT: "W"}
+    for pp in range(1, 9):
+        stages = [[stage_index(pp, r, c, v_shape=True) for c in (0, 1)] for r in range(pp)]
+        assert stages[0] == [0, 2 * pp - 1] and stages[-1] == [pp - 1, pp]
+        assert all(stage_place(s, pp, v_shape=True) == (r, c) for r in range(pp) for c, s in enumerate(stages[r]))
+        for m in range(1, 4 * pp + 3):
+            programs = pipeline_actions("zbv", pp, 2, m)
+            assert all(abs(a.peer - a.rank) == 1 for program in programs for a in program if not a.is_compute), (pp, m)
+            for rank, program in enumerate(programs):
+                ours = [(a.op, a.chunk, a.microbatch) for a in program if a.is_compute]
+                state = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+                theirs = [(names[a.computation_type], stages[rank].index(a.stage_index), a.microbatch_index)
+                          for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(state, rank) if a is not None]
+                assert ours == theirs, (pp, m, rank)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zero_bubble_v_halves_zb_h1s_bubble_at_equal_costs_and_holds_as_much(pp):
+    """F, B and W of a chunk (half a stage) at one unit each, against ZB-H1's at two, so both ranks work
+    6M units: from 2pp - 1 microbatches ZB-V's bubble is (pp - 1) / (6M + pp - 1); from 2pp its idle
+    time is half of ZB-H1's (pp - 1 units against 2(pp - 1)), strictly and with the runtime's sends. It
+    holds 1F1B's pp microbatches of activations."""
+    stage, chunk = uniform_costs(forward=2.0, backward=4.0, weight=2.0), uniform_costs(forward=1.0, backward=2.0, weight=1.0)
+    for m in range(2 * pp - 1, 4 * pp + 1):
+        for sends_block in (True, False):
+            zbv = simulate(pipeline_actions("zbv", pp, 2, m), pp, 2, chunk, sends_block=sends_block, v_shape=True)
+            zb_h1 = simulate(pipeline_actions("zb_h1", pp, 1, m), pp, 1, stage, sends_block=sends_block)
+            assert zbv.bubble_fraction == pytest.approx((pp - 1) / (6 * m + pp - 1), abs=1e-12), (pp, m, sends_block)
+            if m >= 2 * pp:
+                assert zbv.makespan - 6 * m == (zb_h1.makespan - 6 * m) / 2 == pp - 1, (pp, m, sends_block)
+            assert max(zbv.peak_microbatches) == pp, (pp, m)
+
+
+def test_zero_bubble_v_runs_each_chunks_ws_in_backward_order():
+    """Per chunk, Ws in B order, each after its B: the chunk's last W is its last B's, which reduces."""
+    for pp, m in itertools.product((1, 2, 3, 4), (1, 3, 4, 8)):
+        for program in pipeline_actions("zbv", pp, 2, m):
+            for chunk in (0, 1):
+                ops = [(a.op, a.microbatch) for a in program if a.chunk == chunk and a.op in "BW"]
+                assert [mb for op, mb in ops if op == "W"] == [mb for op, mb in ops if op == "B"] == list(range(m))
+                assert all(ops.index(("B", mb)) < ops.index(("W", mb)) for mb in range(m)), (pp, m, chunk)

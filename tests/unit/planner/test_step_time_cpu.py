@@ -88,3 +88,19 @@ def test_zero_bubbles_w_is_the_weight_gradient_gemms_and_b_the_rest():
     seconds, compute, weight = step_time._unit_times(c, ["block"], step_time.BACKWARD, cfg, False, False, False)
     assert weight == c.weight["block"] and 0 < weight < compute / 2
     assert step_time._unit_times(c, ["block"], step_time.FORWARD, cfg, False, False, False)[2] == 0.0
+
+
+def test_zero_bubble_v_puts_the_embedding_and_the_head_on_rank_0_and_predicts_less_idle_time():
+    """zbv's V: rank 0 runs stage 0 (embedding) and the last stage (head), rank pp - 1 the two middle
+    stages. With the same work per rank as zb_h1 (the head still on one rank), its predicted bubble is
+    the smaller one."""
+    from planner.units import rank_chunks
+
+    v_shape, h1 = (layout("batch_size=8", "pipeline_parallel_size=2", *schedule)
+                   for schedule in (("pipeline_schedule=zbv", "num_layers_per_virtual_pipeline_stage=2"),
+                                    ("pipeline_schedule=zb_h1",)))
+    chunks = [rank_chunks(v_shape[0], r) for r in range(2)]
+    assert [(c.embedding, c.head, c.blocks) for c in chunks[0]] == [(True, False, 2), (False, True, 2)]
+    assert not any(c.embedding or c.head for c in chunks[1])
+    zbv, zb_h1 = (predict(cfg, dims, CPU, 4) for cfg, dims in (v_shape, h1))
+    assert zbv.parts["pipeline bubble"] < zb_h1.parts["pipeline bubble"], (zbv.parts, zb_h1.parts)

@@ -115,7 +115,15 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
          "pipeline_schedule=zb_h1 runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
         (["pipeline_parallel_size=2", "pipeline_schedule=zb_h1", "compile=true"], 2,
          "compile=true with pipeline_schedule=zb_h1 is not supported"),
-        (["pipeline_schedule=zero_bubble"], 1, "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1"),
+        (["pipeline_schedule=zero_bubble"], 1,
+         "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv"),
+        (["pipeline_parallel_size=2", "pipeline_schedule=zbv"], 2,
+         "pipeline_schedule=zbv runs exactly 2 chunks per rank, got 1: set num_layers_per_virtual_pipeline_stage"),
+        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
+          "pipeline_schedule=zbv", "compile=true"], 2, "compile=true with pipeline_schedule=zbv is not supported"),
+        (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
+          "pipeline_schedule=zbv", "model.tie_embeddings=true"], 2,
+         "model.tie_embeddings=true with pipeline_schedule=zbv is not supported yet: the V places"),
         (["pipeline_parallel_size=2", "batch_size=3", "microbatch_size=2"], 2, "batch_size=3 is not divisible by microbatch_size=2"),
         (["dump_profile_traces=true"], 1, "dump_profile_traces=true needs profile_freq > 0"),
         (["profile_freq=-1"], 1, "profile_freq=-1 must be >= 0"),
@@ -197,6 +205,13 @@ def test_settings_that_ask_for_what_another_gives_are_accepted():
 ])
 def test_zero_bubble_h1_is_accepted_on_one_chunk_per_rank(overrides, world):
     validate(load(*overrides), world_size=world)
+
+
+def test_zero_bubble_v_is_accepted_on_two_chunks_per_rank_with_the_v_placement():
+    cfg = load("pipeline_schedule=zbv", "pipeline_parallel_size=2", "model.n_layers=4",
+               "num_layers_per_virtual_pipeline_stage=1", "model_parallel_size=2", "model.layer_ckpt=full")
+    validate(cfg, world_size=4)
+    assert cfg.virtual_pipeline_stages == 2 and cfg.pipeline_v_shape and not load().pipeline_v_shape
 
 
 def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused():
