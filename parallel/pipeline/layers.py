@@ -5,8 +5,9 @@ Stages are placed in a loop: virtual stage s = chunk c x pp + rank r. The V-shap
 2pp - 1 - r (chunk 1), so the first and the last stage both sit on rank 0 and the hand-over at the V's
 turn stays on rank pp - 1. Each stage holds a contiguous block of layers, in stage order. By default
 every stage holds the same count. `first` and `last` (Megatron's decoder_first/last_pipeline_num_layers)
-give stage 0 (chunk 0 of rank 0) and the last stage (the last chunk of the last rank) their own counts:
-those stages also run the embedding and the output head. The other stages split the rest evenly.
+give stage 0 (chunk 0 of rank 0) and the last stage (the last chunk of the last rank; in a V, chunk 1 of
+rank 0) their own counts: those stages also run the embedding and the output head. The other stages
+split the rest evenly.
 Layer indices stay those of the whole model, so any split loads a checkpoint of any other.
 """
 
