@@ -103,8 +103,10 @@ def shortened(cfg: TrainConfig, pp: int) -> TrainConfig:
 
 
 def peak_bytes(cfg: TrainConfig, dims: ParallelDims) -> int:
-    """The worst pipeline stage's predicted peak: the first holds the most microbatches, the last the loss."""
-    return max(stage_plan(cfg, dims, r).memory["peak_bytes"] for r in {0, dims.pp - 1})
+    """The worst pipeline rank's predicted peak, over every rank: the first holds the most microbatches
+    and the last the loss in a loop, but uneven stages give the middle ranks more layers, and zbv's V
+    puts both ends on rank 0 and two receives a batch on the middle ranks."""
+    return max(stage_plan(cfg, dims, r).memory["peak_bytes"] for r in range(dims.pp))
 
 
 def _at_least_as_fast(a: tuple, b: tuple) -> bool:
