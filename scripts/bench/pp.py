@@ -17,8 +17,9 @@ Three sides per configuration (schedule 1f1b, interleaved_1f1b, zb_h1 or zbv; M)
 Each runs one step's pipelined forward + backward (M microbatches of 1 sequence, fp32); the optimizer
 is left out. Step 0's losses and every parameter's gradient are compared across the three sides.
 
-Timing: all configurations live in the same processes and run interleaved by rounds (each round: K
-steps of each side, sides in rotating order), so machine noise hits them alike. A step's time is the
+Timing: each configuration runs in fresh processes, its three sides interleaved by rounds (each round:
+K steps of each side, sides in rotating order), so machine noise hits them alike (all sixteen
+configurations' modules in one process made every step about 15% slower, and unevenly). A step's time is the
 slowest rank's (a barrier before each step); the table gives medians, and ratios are medians over
 rounds of per-round ratios. Bubble: from our runtime's per-action timestamps, the idle share of each
 rank between the step's first start and last end, averaged over ranks (the simulator's definition),
@@ -281,23 +282,19 @@ def grad_rel_diff(a: Grads, b: Grads) -> float:
     return max(comm.all_gather_object(local, comm.world()))
 
 
-def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int) -> list[dict]:
+def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int, schedule: str, m: int) -> dict:
+    """One configuration's three sides, in processes of their own."""
     torch.set_num_threads(1)
-    configs = [bench_config(model, seq, world, s, m) for s in SCHEDULES
-               for m in (world, 2 * world, 4 * world, 2 * world - 1)]
-    runners = []
-    for cfg in configs:
-        units = Units(cfg, world)
-        runners.append((Ours(cfg, units.trainer.mesh), Torch(cfg), units))
-    checks = [_step_zero(sides) for sides in runners]  # also the warmup
-    times = [[[] for _ in SIDES] for _ in configs]
+    cfg = bench_config(model, seq, world, schedule, m)
+    units = Units(cfg, world)
+    sides = (Ours(cfg, units.trainer.mesh), Torch(cfg), units)
+    check = _step_zero(sides)  # also the warmup
+    times = [[] for _ in SIDES]
     for r in range(rounds):
-        for i in range(len(configs)):
-            j = (i + r) % len(configs)
-            for side in range(r % len(SIDES), r % len(SIDES) + len(SIDES)):
-                side %= len(SIDES)
-                times[j][side].append([timed(runners[j][side], 1 + s) for s in range(k)])
-    return [_result(cfg, world, sides, t, check) for cfg, sides, t, check in zip(configs, runners, times, checks)]
+        for side in range(r % len(SIDES), r % len(SIDES) + len(SIDES)):
+            side %= len(SIDES)
+            times[side].append([timed(sides[side], 1 + s) for s in range(k)])
+    return _result(cfg, world, sides, times, check)
 
 
 def _step_zero(sides) -> dict:
@@ -354,7 +351,8 @@ def main() -> None:
           "bubble simulated | torch bubble measured | peak p2p MiB | loss rel diff | grad rel diff (torch, units) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     diffs = []
-    for r in spawn(PP, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round):
+    for schedule, m in ((s, m) for s in SCHEDULES for m in (PP, 2 * PP, 4 * PP, 2 * PP - 1)):
+        r = spawn(PP, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round, schedule, m)
         diffs += [r["loss"], r["grad_torch"], r["grad_units"]]
         ms = r["ms"]
         print(f"| {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch']:.0f} | {ms['units']:.0f} | "

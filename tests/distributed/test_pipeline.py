@@ -92,11 +92,12 @@ def _check_one_concat_per_unit(rank: int, world: int) -> None:
 
 def _check_composition_on_4_ranks(rank: int, world: int, reference: dict) -> None:
     """HSDP (2 replicas of pp=2, the replica all-reduce asynchronous per unit) and activation checkpointing,
-    interleaved and ZB-H1 (whose Ws keep the recomputed operands of their GEMMs)."""
+    interleaved, ZB-H1 and ZB-V (whose Ws keep the recomputed operands of their GEMMs)."""
     interleaved = dict(pipeline_schedule="interleaved_1f1b", num_layers_per_virtual_pipeline_stage=2)
     zero_bubble = dict(pipeline_schedule="zb_h1", num_layers_per_virtual_pipeline_stage=None)
-    for overrides in ({"dp_replicate": 2}, {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}},
-                      {"model": {"layer_ckpt": "full"}} | zero_bubble, {"model": {"layer_ckpt": "selective"}} | zero_bubble):
+    full, selective = {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}}
+    for overrides in ({"dp_replicate": 2}, full, selective, full | zero_bubble, selective | zero_bubble,
+                      selective | {"pipeline_schedule": "zbv"}, full | {"pipeline_schedule": "zbv", "dp_replicate": 2}):
         cfg = config(pipeline_parallel_size=2, batch_size=3, reshard_after_forward=True, **(interleaved | overrides))
         trainer, metrics = train(cfg, world)
         assert_matches(metrics, reference[6], str(overrides))
@@ -300,8 +301,9 @@ def test_pipeline_layouts_match_one_process(reference, reference_6_layers, tmp_p
 
 
 def _composition(rank: int, world: int, reference: dict) -> None:
-    """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b/zb_h1, 2 for interleaved."""
-    for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2), ("zb_h1", 4)):
+    """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b/zb_h1, 2 for interleaved
+    and zbv."""
+    for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2), ("zb_h1", 4), ("zbv", 2)):
         layout = dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule=schedule,
                       num_layers_per_virtual_pipeline_stage=per_stage, model={"sequence_parallel": True})
         # Two steps: the second step's loss already carries every gradient of the first.
