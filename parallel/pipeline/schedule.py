@@ -68,8 +68,8 @@ def check_layout(schedule: str, vpp: int) -> None:
         )
     if schedule == "zbv" and vpp != 2:
         raise ConfigError(
-            f"pipeline_schedule=zbv runs exactly 2 chunks per rank, got {vpp}: set num_layers_per_virtual_pipeline_stage "
-            "so that model.n_layers / (pipeline_parallel_size x it) = 2"
+            f"pipeline_schedule=zbv runs exactly 2 chunks per rank, got {vpp}: set "
+            "num_layers_per_virtual_pipeline_stage so that model.n_layers / (pipeline_parallel_size x it) = 2"
         )
 
 

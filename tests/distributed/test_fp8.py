@@ -3,7 +3,7 @@ the same layout in bf16 with four microbatches (bitwise with optimize_backward_c
 identical scales on every rank, ONE amax all-reduce per step, bitwise determinism and bitwise parity
 with optimize_backward_concat on and off, and the fp8 all-gather: bitwise the same training in fp32
 compute and under activation checkpointing, with a quarter of the fp32 (half of the bf16) weight bytes
-per gather; and ZB-H1 on tp2 x pp2 x dp2, whose deferred weight-gradient GEMMs train as 1F1B's."""
+per gather; and ZB-H1 and ZB-V on tp2 x pp2 x dp2, whose deferred weight-gradient GEMMs train as 1F1B's."""
 
 import math
 from dataclasses import replace
@@ -132,6 +132,36 @@ def _check_zero_bubble(world: int) -> None:
         assert min(works) >= len(fp8_gemms(trainer.chunks)) > 0, works  # each W runs every fp8 GEMM's
         assert reference_of(zero_bubble) == reference_of(plain), (wgrad, reference_of(zero_bubble), reference_of(plain))
         assert torch.equal(_scaling_state(trainer), _scaling_state(plain_trainer)), wgrad
+        _check_zero_bubble_v(cfg, plain, _named_scaling_states(plain_trainer), world)
+
+
+def _named_scaling_states(trainer) -> dict[str, torch.Tensor]:
+    """Every fp8 GEMM's scale, amax history and flag, by its module's name in the whole model, from all ranks."""
+    mine = {name: torch.cat([g.scale, g.amax_history.flatten(), g.scale_is_set.float()])
+            for chunk in trainer.chunks for name, g in chunk.named_modules() if g in fp8_gemms([chunk])}
+    merged = {}
+    for states in comm.all_gather_object(mine, comm.world()):
+        merged.update(states)
+    return merged
+
+
+def _check_zero_bubble_v(cfg, plain: list, plain_states: dict, world: int) -> None:
+    """ZB-V on the same ranks (two chunks of one layer per rank, in a V): each W runs every fp8 GEMM of
+    its chunk; the losses and every GEMM's scaling state (by name) are 1F1B's, bit for bit, and the
+    gradient norms within 1e-6."""
+    trainer = make_trainer(replace(cfg, pipeline_schedule="zbv", num_layers_per_virtual_pipeline_stage=1), world)
+    runtime, works = trainer.runtime, []
+    weight = runtime._weight
+    runtime._weight = lambda a: (works.append((a.chunk, len(runtime._weight_work[(a.chunk, a.microbatch)]))), weight(a))
+    zero_bubble = [trainer.train_step(step) for step in range(1, trainer.cfg.steps + 1)]
+    assert all(n >= len(fp8_gemms([trainer.chunks[c]])) > 0 for c, n in works), works
+    ours, theirs = reference_of(zero_bubble), reference_of(plain)
+    assert ours["loss"] == theirs["loss"], (ours, theirs)
+    # The norm's per-rank partial sums group other layers in the V: the same squares, summed in another order.
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ours["grad_norm"], theirs["grad_norm"])), (ours, theirs)
+    states = _named_scaling_states(trainer)
+    assert states and states.keys() == plain_states.keys()
+    assert all(torch.equal(states[k], plain_states[k]) for k in states)
 
 
 def test_fp8_on_tp2_dp4():

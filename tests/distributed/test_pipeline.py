@@ -159,8 +159,8 @@ def _zero_bubble_schedules(pp: int, m: int) -> list[tuple[str, dict]]:
 
 
 def _check_zero_bubble(rank: int, world: int, root: str) -> None:
-    """ZB-H1 and ZB-V on pp 2 (dp 2) and pp 4, M 4 and 8 (see _zero_bubble_schedules), ZeRO-3 and ZeRO-2: losses and gradient norms
-    within 1e-6 of 1F1B's, bitwise with optimize_backward_concat on and off. Each W runs one deferred
+    """ZB-H1 and ZB-V on pp 2 (dp 2) and pp 4, M 4 and 8 (see _zero_bubble_schedules), ZeRO-3 and
+    ZeRO-2: losses and gradient norms within 1e-6 of 1F1B's, bitwise with optimize_backward_concat on and off. Each W runs one deferred
     GEMM per linear of its chunk; B starts no reduction; each unit reduces once per step, in its chunk's
     last W (one reduce-scatter at dp 2), and concatenates as often as under 1F1B. A ZB-V checkpoint
     resumes on 1F1B's loop placement."""
@@ -178,8 +178,8 @@ def _check_zero_bubble(rank: int, world: int, root: str) -> None:
                 with counting_concats() as concats:
                     metrics = [trainer.train_step(1)]
                     if resumes:
-                        saved = save_checkpoint(Path(root) / f"zbv_pp{pp}_m{m}", 1, checkpoint_state_of(trainer, rank, 1),
-                                                dist.group.WORLD, rank, {})
+                        saved = save_checkpoint(Path(root) / f"zbv_pp{pp}_m{m}", 1,
+                                                checkpoint_state_of(trainer, rank, 1), dist.group.WORLD, rank, {})
                     metrics.append(trainer.train_step(2))
                 if resumes:
                     _resume_on_1f1b(saved, layout, plain, rank, world)
@@ -253,10 +253,11 @@ def _p2p_held(cfg, world: int) -> tuple[int, int, int]:
 def _check_p2p_memory_is_independent_of_the_microbatch_count(rank: int, world: int) -> None:
     """1F1B and interleaved at pp 2 and 4, and ZB-V at pp 2, hold the same outgoing tensors at M=4 and
     M=16, two at most."""
-    for pp, per_stage, schedule in ((2, None, "1f1b"), (4, None, "1f1b"), (2, 2, "1f1b"), (4, 1, "1f1b"), (2, 2, "zbv")):
+    layouts = ((2, None, "1f1b"), (4, None, "1f1b"), (2, 2, "1f1b"), (4, 1, "1f1b"), (2, 2, "zbv"))
+    for pp, per_stage, schedule in layouts:
         layers = {} if per_stage is None else {"num_layers_per_virtual_pipeline_stage": per_stage}
-        held = [_p2p_held(config(pipeline_parallel_size=pp, pipeline_schedule=schedule, batch_size=m, steps=1, **layers),
-                          world) for m in (4, 16)]
+        held = [_p2p_held(config(pipeline_parallel_size=pp, pipeline_schedule=schedule, batch_size=m, steps=1,
+                                 **layers), world) for m in (4, 16)]
         assert held[0] == held[1] and held[0][0] <= 2, (pp, per_stage, schedule, held)
         assert held[0][1] == held[0][0] * SEQ * MODEL["dim"] * 4, (pp, per_stage, schedule, held)
 

@@ -300,8 +300,8 @@ def _check_compile(cfg: TrainConfig) -> None:
                           "(their autocast and fp8 state) do not trace under torch.compile (use the in-tree blocks)")
     if splits_backward(cfg.pipeline_schedule):
         raise ConfigError(f"compile=true with pipeline_schedule={cfg.pipeline_schedule} is not supported: a "
-                          "zero-bubble B queues its weight-gradient GEMMs from inside the block's backward, which a compiled graph cannot do "
-                          "(use pipeline_schedule=1f1b, or compile=false)")
+                          "zero-bubble B queues its weight-gradient GEMMs from inside the block's backward, which a "
+                          "compiled graph cannot do (use pipeline_schedule=1f1b, or compile=false)")
 
 
 def _check_keys_with_effect(cfg: TrainConfig) -> None:
@@ -371,8 +371,9 @@ def _check_supported(cfg: TrainConfig) -> None:
                           "num_layers_per_virtual_pipeline_stage, or use pipeline_parallel_size > 1")
     if cfg.model.tie_embeddings and cfg.pipeline_v_shape:
         # The V puts the embedding (stage 0) and the head (the last stage) in two chunks of rank 0.
-        raise ConfigError("model.tie_embeddings=true with pipeline_schedule=zbv is not supported yet: the V places the "
-                          "embedding and the head in two chunks of pipeline rank 0 (use pipeline_schedule=zb_h1 or 1f1b)")
+        raise ConfigError("model.tie_embeddings=true with pipeline_schedule=zbv is not supported yet: the V places "
+                          "the embedding and the head in two chunks of pipeline rank 0 (use pipeline_schedule=zb_h1 "
+                          "or 1f1b)")
 
 
 def _divisible(key: str, value: int, by_key: str, by: int) -> None:
