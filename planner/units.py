@@ -12,7 +12,7 @@ import torch
 
 from model.transformer import Transformer
 from parallel.fsdp.flat_param import FlatParamSpec
-from parallel.pipeline.layers import chunk_layers, stage_index
+from parallel.pipeline.layers import chunk_layers, rank_stages
 from parallel.tensor_parallel import TPContext
 from trainer.config.schema import ModelConfig, TrainConfig
 
@@ -55,7 +55,7 @@ class Chunk:
 def rank_chunks(cfg: TrainConfig, pp_rank: int) -> list[Chunk]:
     pp, vpp, v_shape = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.pipeline_v_shape
     ends = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
-    stages = [stage_index(pp, pp_rank, c, v_shape) for c in range(vpp)]
+    stages = rank_stages(pp, vpp, pp_rank, v_shape)
     return [Chunk(len(chunk_layers(cfg.model.n_layers, pp, vpp, pp_rank, c, *ends, v_shape=v_shape)),
                   embedding=stage == 0, head=stage == pp * vpp - 1) for c, stage in enumerate(stages)]
 

@@ -17,7 +17,7 @@ from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.channels import channel_count
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.layers import chunk_layers, stage_index
+from parallel.pipeline.layers import chunk_layers, rank_stages
 from parallel.pipeline.schedule import schedule_actions
 from parallel.regional_compile import compile_forward
 from parallel.tensor_parallel import TPContext
@@ -72,7 +72,7 @@ def build_chunks(cfg: TrainConfig, tp: TPContext, pp_rank: int, cp: CPContext | 
     pp, vpp, n_layers, v_shape = (cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.model.n_layers,
                                   cfg.pipeline_v_shape)
     ends = cfg.pipeline_first_stage_layers, cfg.pipeline_last_stage_layers
-    stages = [stage_index(pp, pp_rank, chunk, v_shape) for chunk in range(vpp)]
+    stages = rank_stages(pp, vpp, pp_rank, v_shape)
     with torch.device("meta"):
         return [
             Transformer(

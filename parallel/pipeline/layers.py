@@ -76,6 +76,11 @@ def stage_index(pp: int, rank: int, chunk: int, v_shape: bool = False) -> int:
     return chunk * pp + rank
 
 
+def rank_stages(pp: int, vpp: int, rank: int, v_shape: bool = False) -> list[int]:
+    """The virtual stages of a rank's chunks, in chunk order (increasing, in a loop and in a V)."""
+    return [stage_index(pp, rank, chunk, v_shape) for chunk in range(vpp)]
+
+
 def stage_place(stage: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
     """(rank, chunk) that run a virtual stage: stage_index's inverse."""
     if v_shape:

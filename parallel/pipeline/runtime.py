@@ -44,7 +44,7 @@ from torch.profiler import record_function
 from parallel import comm, weight_grads
 from parallel.fsdp import FSDPRoot
 from parallel.pipeline.channels import channel_count, split_batch
-from parallel.pipeline.layers import stage_index
+from parallel.pipeline.layers import rank_stages
 from parallel.pipeline.schedule import (
     BACKWARD, FORWARD, RECV_B, RECV_F, WEIGHT, Action, batched, downstream, following_batches, forward_only,
     transfer_key,
@@ -79,7 +79,7 @@ class PipelineRuntime:
         self.receives_ahead = device.type == "cpu"
         self.rank, self.v_shape = program[0].rank, v_shape
         self.num_stages = pp * len(chunks)
-        self.stages = [stage_index(pp, self.rank, c, v_shape) for c in range(len(chunks))]  # of each local chunk
+        self.stages = rank_stages(pp, len(chunks), self.rank, v_shape)  # of each local chunk
         self.steps = batched(program)
         self.forward_steps = batched(forward_only(program))
         self.shape, self.dtype, self.device = activation_shape, dtype, device

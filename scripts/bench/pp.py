@@ -56,7 +56,7 @@ from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.channels import channel_count  # noqa: E402
 from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from parallel.pipeline.layers import stage_index  # noqa: E402
+from parallel.pipeline.layers import rank_stages  # noqa: E402
 from parallel.pipeline.schedule import Action, pipeline_actions, splits_backward  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext  # noqa: E402
@@ -198,7 +198,7 @@ class Torch:
         rank, pp = dist.get_rank(), cfg.pipeline_parallel_size
         self.chunks = plain_chunks(cfg, rank)
         self.data = RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size)
-        indices = [stage_index(pp, rank, c, cfg.pipeline_v_shape) for c in range(len(self.chunks))]
+        indices = rank_stages(pp, len(self.chunks), rank, cfg.pipeline_v_shape)
         self.first, self.last = 0 in indices, pp * len(self.chunks) - 1 in indices
         stages = [self._stage(cfg, chunk, index, pp * len(self.chunks)) for chunk, index in zip(self.chunks, indices)]
         # Set to a list to record (action, start, end) of every compute, as our runtime's trace does.

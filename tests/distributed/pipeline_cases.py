@@ -12,7 +12,7 @@ import torch
 
 from parallel.fsdp import unit as fsdp_unit
 from parallel.mesh import ParallelDims, ParallelMesh
-from parallel.pipeline.layers import stage_index, stage_place
+from parallel.pipeline.layers import rank_stages, stage_place
 from parallel.pipeline.schedule import downstream, upstream
 from parallel.random import RNGStreams
 from trainer.checkpoint.state import checkpoint_state
@@ -130,7 +130,7 @@ def expected_p2p(cfg: TrainConfig, pp_rank: int) -> int:
     forward (unless it is the last stage) and its input gradient backward (unless the first), over the
     network unless the other stage is on this rank (the V's turn under zbv)."""
     pp, vpp, m, v_shape = cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches, cfg.pipeline_v_shape
-    stages = [stage_index(pp, pp_rank, chunk, v_shape) for chunk in range(vpp)]
+    stages = rank_stages(pp, vpp, pp_rank, v_shape)
     peers = [other(s, "F", pp * vpp) for s in stages for other in (downstream, upstream)]
     return m * sum(peer is not None and stage_place(peer, pp, v_shape)[0] != pp_rank for peer in peers)
 

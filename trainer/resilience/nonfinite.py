@@ -15,9 +15,9 @@ from parallel.fsdp import FSDPRoot
 
 def first_nonfinite_unit(roots: list[FSDPRoot], stages: list[int]) -> str | None:
     """The first unit in model order, over all ranks, whose gradient holds a NaN or Inf (every rank
-    must call this together); `stages[c]` is the pipeline stage of `roots[c]`."""
+    must call this together); `stages[c]` is the pipeline stage of `roots[c]`, increasing in c."""
     mine = None
-    for chunk, root in sorted(enumerate(roots), key=lambda item: stages[item[0]]):
+    for chunk, root in enumerate(roots):
         for index, unit in enumerate(root.units):
             grad = unit.flat_param.grad
             if grad is not None and not torch.isfinite(grad).all():

@@ -12,7 +12,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 
 from parallel.errors import ConfigError
 from parallel.pipeline import schedule as S
-from parallel.pipeline.layers import stage_index, stage_place
+from parallel.pipeline.layers import rank_stages, stage_place
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.schedule import Action, pipeline_actions, schedule_actions
 from parallel.pipeline.simulate import ScheduleError, random_costs, simulate, uniform_costs
@@ -294,7 +294,7 @@ def test_zero_bubble_v_places_stages_in_a_v_and_runs_torchs_order():
 
     names = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "B", _ComputationType.BACKWARD_WEIGHT: "W"}
     for pp in range(1, 9):
-        stages = [[stage_index(pp, r, c, v_shape=True) for c in (0, 1)] for r in range(pp)]
+        stages = [rank_stages(pp, 2, r, v_shape=True) for r in range(pp)]
         assert stages[0] == [0, 2 * pp - 1] and stages[-1] == [pp - 1, pp]
         assert all(stage_place(s, pp, v_shape=True) == (r, c) for r in range(pp) for c, s in enumerate(stages[r]))
         for m in range(1, 4 * pp + 3):
