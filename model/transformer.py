@@ -14,7 +14,7 @@ from torch import nn
 from model.args import ModelArgs
 from model.attention import Attention, Documents, RotaryEmbedding, block_causal_mask, block_gemm
 from parallel.context_parallel import CPContext
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, matmul
 
 # The parameters whose rows (dim 0) are the vocabulary's: those past args.valid_vocab_size are padding.
 VOCAB_PARAMETERS = ("tok_embeddings.weight", "head.output.weight")
@@ -93,7 +93,7 @@ class OutputHead(nn.Module):
 
     def forward(self, h: torch.Tensor, embedding: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tp.enter(self.norm(h))
-        return nn.functional.linear(x, embedding) if self.output is None else self.output(x)
+        return matmul(x, embedding, None) if self.output is None else self.output(x)
 
 
 BlockFactory = Callable[[int, ModelArgs, TPContext, CPContext], nn.Module]

@@ -1,4 +1,5 @@
-"""Weight gradients computed after the backward that makes their operands (zero-bubble pipelines).
+"""Where a linear's weight-gradient GEMM goes: into autograd, into a sink after the backward that makes
+its operands (zero-bubble pipelines), or straight into a gradient accumulator (fused accumulation).
 
 A zero-bubble schedule splits a chunk's backward in two: B, the gradient of the chunk's input, which
 the previous stage waits for, and W, the weights' gradients, which nothing waits for and which fill
@@ -9,16 +10,36 @@ weight gradient with the two operands it reads (its saved input and its output's
 hands the queue of one B to its W, which runs it in order. Anything else (norm weights, embeddings,
 modules that write their own weight gradients) gets its gradient in B as usual; work that must follow
 every gradient of a unit (FSDP's reduction) is queued behind the unit's GEMMs (parallel/fsdp/hooks.py).
+
+A sink that `fuses` (gradient accumulation fusion, as Megatron's) takes the GEMM in every backward,
+deferred or not, and runs it into its accumulator: the step's first gradient is written by the GEMM
+itself, later ones are added by it (beta = 1). Unfused, the GEMM makes a new tensor that is then
+added: one allocation and one pass over the gradient more per weight and microbatch. The two differ in
+rounding where the GEMM splits its inner dimension (about 1000 tokens and more on CPU): a numerics
+experiment keeps the setting fixed.
 """
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
 
-Sink = Callable[[torch.Tensor], None]  # receives one weight's gradient (compute dtype, the weight's shape)
 Work = Callable[[], None]
+
+
+class GradSink(Protocol):
+    """Takes one weight's gradient in place of autograd."""
+
+    fuses: bool  # take the GEMM in every backward, into the accumulator (else only a zero-bubble W's result)
+
+    def add(self, grad: torch.Tensor) -> None:
+        """Accumulate a computed gradient (the weight's shape)."""
+
+    def add_product(self, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+        """Accumulate grad_rows^T @ input_rows (rows: tokens), the GEMM run into the accumulator."""
+
 
 _SINK = "weight_grad_sink"
 _queue: list[Work] | None = None  # while deferring: the current backward's deferred work
@@ -35,6 +56,11 @@ def deferring() -> Iterator[None]:
         yield
     finally:
         _queue = None
+
+
+def is_deferring() -> bool:
+    """Whether a zero-bubble step is running (its Ws run their GEMMs inside it, outside autograd)."""
+    return _queue is not None
 
 
 def defer(work: Work) -> bool:
@@ -54,23 +80,61 @@ def take() -> list[Work]:
     return work
 
 
-def set_sink(weight: torch.Tensor, sink: Sink) -> None:
-    """Where `weight`'s gradient goes when its GEMM is deferred (it bypasses autograd)."""
+def set_sink(weight: torch.Tensor, sink: GradSink) -> None:
+    """Where `weight`'s gradient goes when its linear does not return it to autograd."""
     setattr(weight, _SINK, sink)
 
 
-def sink_of(weight: torch.Tensor) -> Sink | None:
+def sink_of(weight: torch.Tensor) -> GradSink | None:
     return getattr(weight, _SINK, None)
 
 
-def defer_weight_grad(sink: Sink | None, compute: Callable[[], torch.Tensor]) -> bool:
+def defer_weight_grad(sink: GradSink | None, compute: Callable[[], torch.Tensor]) -> bool:
     """From a linear's backward: defer `compute` (its weight-gradient GEMM) into the weight's sink (from
     sink_of at forward); False when not deferring or there is no sink: the backward returns the gradient."""
-    return sink is not None and defer(lambda: sink(compute()))
+    return sink is not None and defer(lambda: sink.add(compute()))
+
+
+def accumulate_product(out: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor, first: bool) -> None:
+    """out = (first) or += (later) grad_rows^T @ input_rows, as one GEMM into `out` where the dtypes match.
+    Operands in another dtype than `out` (a bf16 GEMM, an fp32 accumulator) are multiplied, then added,
+    on every device, the bits of the unfused path: torch has no mixed-dtype GEMM on CPU, and CUDA's
+    (`out_dtype`) would skip the product's rounding to bf16, untested here without a GPU."""
+    a = grad_rows.t()
+    if a.dtype != out.dtype:
+        product = a.mm(input_rows)
+        if first:
+            torch.add(product, 0.0, out=out)
+        else:
+            out.add_(product)
+    elif first:
+        torch.mm(a, input_rows, out=out)
+    else:
+        out.addmm_(a, input_rows)
+
+
+class DotGradSink:
+    """A plain module's weight: its gradient accumulates into `.grad`, as autograd's would (for a runtime
+    driving modules without FSDP units); `calls` counts the gradients it took."""
+
+    def __init__(self, weight: torch.Tensor, fuses: bool):
+        self.weight, self.fuses, self.calls = weight, fuses, 0
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.calls += 1
+        w = self.weight
+        w.grad = grad if w.grad is None else w.grad.add_(grad)
+
+    def add_product(self, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+        self.calls += 1
+        w, first = self.weight, self.weight.grad is None
+        if first:
+            w.grad = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        accumulate_product(w.grad, grad_rows, input_rows, first)
 
 
 class _Linear(torch.autograd.Function):
-    """x @ weight^T whose backward may leave the weight's gradient to W."""
+    """x @ weight^T whose backward leaves the weight's gradient to its sink: now (fused) or in W."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -81,18 +145,26 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
+        sink = ctx.sink
         grad_x = grad_out.matmul(weight)
+        grad_rows, input_rows = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+        if sink.fuses:
+            if not defer(lambda: sink.add_product(grad_rows, input_rows)):
+                sink.add_product(grad_rows, input_rows)
+            return grad_x, None
 
         def weight_grad() -> torch.Tensor:
-            return grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+            return grad_rows.t().mm(input_rows)
 
-        if defer_weight_grad(ctx.sink, weight_grad):
+        if defer_weight_grad(sink, weight_grad):
             return grad_x, None
         return grad_x, weight_grad()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """nn.functional.linear, whose weight gradient is deferred to W in a zero-bubble step."""
-    if _queue is None or sink_of(weight) is None:
+    """nn.functional.linear, whose weight gradient goes to the weight's sink: in a zero-bubble step, and
+    in every backward where the sink fuses the accumulation."""
+    sink = sink_of(weight)
+    if sink is None or not torch.is_grad_enabled() or (_queue is None and not sink.fuses):
         return nn.functional.linear(x, weight)
     return _Linear.apply(x, weight)

@@ -135,6 +135,7 @@ def parallelize(
         reduce_dtype=DTYPES[cfg.reduce_dtype],
         reshard_after_forward=cfg.reshard_after_forward,
         optimize_backward_concat=cfg.optimize_backward_concat,
+        gradient_accumulation_fusion=cfg.gradient_accumulation_fusion,
         fp8_all_gather=cfg.model.fp8_all_gather,
         grad_reduce=cfg.grad_reduce,
     )

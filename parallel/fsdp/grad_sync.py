@@ -15,14 +15,17 @@ scaled by the global token count, so every reduction is a SUM.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from parallel import comm
+from parallel.weight_grads import accumulate_product, is_deferring
 
 if TYPE_CHECKING:
+    from parallel.fsdp.hooks import BackwardTicket
     from parallel.fsdp.unit import FSDPUnit
 
 Stages = Generator[None, None, torch.Tensor]
@@ -65,6 +68,37 @@ def accumulate_param_grad(unit: FSDPUnit, index: int, grad: torch.Tensor) -> Non
         unit.unwritten.discard(index)
     else:
         piece.add_(grad)
+
+
+def refuse_late_gradient(unit: FSDPUnit, ticket: BackwardTicket | None) -> None:
+    """A gradient of the forward `ticket` arriving when the unit reduces now and that forward's (or the
+    latest forward's) backward already ended would miss the reduction, or land in an accumulator being
+    reduced."""
+    if unit.reduces_now and ((ticket is not None and ticket.done) or (unit.ticket is not None and unit.ticket.done)):
+        raise RuntimeError(f"FSDP unit {unit.name}: a gradient arrived after the unit's backward ended (a unit "
+                           f"called twice in one forward, or two backwards through one forward, is not supported)")
+
+
+class ParamGradSink:
+    """One parameter view's gradient sink (parallel/weight_grads.py; only linears use it): its slice of
+    the unit's accumulator, for the forward `ticket` that installed the view. It holds the unit weakly:
+    the parameter views hold their sinks, and the unit holds the views."""
+
+    __slots__ = ("unit_ref", "index", "fuses", "ticket")
+
+    def __init__(self, unit: FSDPUnit, index: int, fuses: bool, ticket: BackwardTicket | None):
+        self.unit_ref, self.index, self.fuses, self.ticket = weakref.ref(unit), index, fuses, ticket
+
+    def add(self, grad: torch.Tensor) -> None:
+        accumulate_param_grad(self.unit_ref(), self.index, grad)
+
+    def add_product(self, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+        unit = self.unit_ref()
+        if not is_deferring():  # in the backward (a zero-bubble W runs after it, before the reduction)
+            refuse_late_gradient(unit, self.ticket)
+        piece = accumulator_slice(unit, self.index).view(unit.spec.shapes[self.index])
+        accumulate_product(piece, grad_rows, input_rows, first=self.index in unit.unwritten)
+        unit.unwritten.discard(self.index)
 
 
 def write_flat_grad(unit: FSDPUnit, grads: Sequence[torch.Tensor | None]) -> None:

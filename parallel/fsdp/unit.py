@@ -28,7 +28,8 @@ from parallel.fsdp.flat_param import (
     FlatParamSpec, aliases_shard, allocate_storage, flatten, free_storage, shard_of, split_views, trainable_owners,
 )
 from parallel.fsdp.fp8_gather import Fp8Gather, fp8_params_of, shard_pieces
-from parallel.fsdp.grad_sync import accumulate_param_grad, write_flat_grad, zeroed_slice
+from parallel.fsdp.grad_sync import (ParamGradSink, accumulate_param_grad, refuse_late_gradient, write_flat_grad,
+                                     zeroed_slice)
 from parallel.fsdp.hooks import BackwardTicket
 from parallel.fsdp.state_dict import TPSplit, fill_shard
 from parallel.fsdp.tied import TiedCopy
@@ -77,6 +78,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
     fp8_all_gather: bool = False  # gather the weights of fp8 GEMMs as fp8 (see fp8_gather.py)
+    gradient_accumulation_fusion: bool = False  # linears' weight-gradient GEMMs run into the accumulator
     grad_reduce: str = "last_microbatch"  # or "per_microbatch" (see grad_sync.py)
     reductions_in_flight: int = 2  # gradient reductions overlapping the backward; 0: synchronous
 
@@ -266,9 +268,9 @@ class FSDPUnit:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _cut_views(self)
-        unit_ref = weakref.ref(self)  # the views hold the sinks: a strong reference would be a cycle
+        fuses = self.cfg.gradient_accumulation_fusion
         for index, view in enumerate(views):
-            weight_grads.set_sink(view, partial(_add_deferred_grad, unit_ref, index))
+            weight_grads.set_sink(view, ParamGradSink(self, index, fuses, self.ticket))
         self._views = views
         self._show_views()
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
@@ -300,9 +302,7 @@ class FSDPUnit:
         is the forward's whose views they are (a pipeline may have run later forwards since). Backwards
         run in forward order, so the latest forward's backward cannot have ended before these arrive
         either, unless the unit ran twice in one forward."""
-        if self.reduces_now and (ticket.done or self.ticket.done):  # never reduce a gradient without it
-            raise RuntimeError(f"FSDP unit {self.name}: a gradient arrived after the unit's backward ended (a unit "
-                               f"called twice in one forward, or two backwards through one forward, is not supported)")
+        refuse_late_gradient(self, ticket)  # never reduce a gradient without it
         write_flat_grad(self, grads)
 
     def record_fp8_weight_amaxes(self) -> None:
@@ -381,11 +381,6 @@ def _cut_views(unit: FSDPUnit) -> list[torch.Tensor]:
         chunk.register_post_accumulate_grad_hook(partial(_add_chunk_grad, unit_ref, index))
         views.append(chunk.view(shape))
     return views
-
-
-def _add_deferred_grad(unit_ref: weakref.ref, index: int, grad: torch.Tensor) -> None:
-    """A zero-bubble W's weight gradient (parallel/weight_grads.py), added as a chunk's would be."""
-    accumulate_param_grad(unit_ref(), index, grad)
 
 
 def _add_chunk_grad(unit_ref: weakref.ref, index: int, chunk: torch.Tensor) -> None:

@@ -1,23 +1,28 @@
 """Our pipeline runtime against torch.distributed.pipelining, runtime against runtime on the same plain
-modules, plus what our FSDP units cost with nothing to shard, the measured bubble beside the simulated
-one, and the p2p bytes a rank holds. CPU gloo, pp = 2 ranks of one thread each (one core per rank).
+modules, plus what fused gradient accumulation gains, what our FSDP units cost with nothing to shard,
+the measured bubble beside the simulated one, and the p2p bytes a rank holds. CPU gloo, pp = 2 ranks
+of one thread each (one core per rank).
 
-Three sides per configuration (schedule 1f1b, interleaved_1f1b, zb_h1 or zbv; M), built from the same weights:
+Five sides per configuration (schedule 1f1b, interleaved_1f1b, zb_h1 or zbv; M), built from the same weights:
 - "ours": our PipelineRuntime driving plain chunks (the trainer's chunk modules, no FSDP units),
   with the trainer's loss (token-loss sum over the global token count); under zb_h1 and zbv every linear
   weight gets a gradient sink that adds into its `.grad`, so B leaves the weight-gradient GEMMs to W
   as FSDP units' sinks do (the bench checks that W ran one per linear weight and microbatch);
+- "fused": the same with fusing sinks on every linear weight, on every schedule: each weight-gradient
+  GEMM runs into `.grad` (gradient_accumulation_fusion's plain-module form, parallel/weight_grads.py);
 - "torch": `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble` (ZB1P, here
   with one stage per rank: the layout of our zb_h1) / `ScheduleZBVZeroBubble` (two stages per rank in
   a V, our zbv's layout) over `PipelineStage`s holding plain chunks with the same weights, the same
   loss (scale_grads=False);
-- "ours + units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
+- "units": the trainer's own step path (StepRunner: FSDP units in a shard group of one rank,
   the default reshard_after_forward=true, under which each microbatch's forward and backward unshard
-  every unit, and optimize_backward_concat=true), its gradient sync included.
-Each runs one step's pipelined forward + backward (M microbatches of 1 sequence, fp32); the optimizer
-is left out. Step 0's losses and every parameter's gradient are compared across the three sides.
+  every unit, and optimize_backward_concat=true), its gradient sync included;
+- "units_fused": the same with gradient_accumulation_fusion=true.
 
-Timing: each configuration runs in fresh processes, its three sides interleaved by rounds (each round:
+Each runs one step's pipelined forward + backward (M microbatches of 1 sequence, fp32); the optimizer
+is left out. Step 0's losses and every parameter's gradient are compared across the sides.
+
+Timing: each configuration runs in fresh processes, its sides interleaved by rounds (each round:
 K steps of each side, sides in rotating order), so machine noise hits them alike (all sixteen
 configurations' modules in one process made every step about 15% slower, and unevenly). A step's time is the
 slowest rank's (a barrier before each step); the table gives medians, and ratios are medians over
@@ -40,6 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -68,7 +74,7 @@ from trainer.parallelize import build_chunks  # noqa: E402
 from trainer.step import StepRunner, token_loss_sum  # noqa: E402
 
 PP = 2
-SIDES = ("ours", "torch", "units")
+SIDES = ("ours", "fused", "torch", "units", "units_fused")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 Grads = dict[str, torch.Tensor]
 
@@ -114,20 +120,20 @@ def take_plain_grads(chunks: list[torch.nn.Module], grads: Grads | None) -> None
 
 
 class GradSinks:
-    """Weight-gradient sinks for plain chunks: in a zero-bubble B, a linear defers its weight-gradient GEMM
-    only when its weight has a sink (FSDP units give theirs one); these add W's result into `.grad`, and
-    count the GEMMs W ran."""
+    """Weight-gradient sinks for plain chunks (parallel/weight_grads.py's DotGradSink, into `.grad`). In a
+    zero-bubble B a linear defers its weight-gradient GEMM only when its weight has a sink (FSDP units
+    give theirs one); fusing sinks take the GEMM into `.grad` in every backward, as fused units do."""
 
-    def __init__(self, chunks: list[torch.nn.Module]):
+    def __init__(self, chunks: list[torch.nn.Module], fuses: bool = False):
         self.weights = [m.weight for chunk in chunks for m in chunk.modules()
                         if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-        self.calls = 0
-        for weight in self.weights:
-            weight_grads.set_sink(weight, lambda grad, weight=weight: self._add(weight, grad))
+        self.sinks = [weight_grads.DotGradSink(weight, fuses) for weight in self.weights]
+        for weight, sink in zip(self.weights, self.sinks):
+            weight_grads.set_sink(weight, sink)
 
-    def _add(self, weight: torch.Tensor, grad: torch.Tensor) -> None:
-        self.calls += 1
-        weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+    @property
+    def calls(self) -> int:
+        return sum(sink.calls for sink in self.sinks)
 
 
 class _NoMarks:
@@ -143,7 +149,8 @@ class _NoMarks:
 class Units:
     """The trainer's step path: FSDP units in a shard group of one rank."""
 
-    def __init__(self, cfg: TrainConfig, world: int):
+    def __init__(self, cfg: TrainConfig, world: int, fused: bool = False):
+        cfg = dataclasses.replace(cfg, gradient_accumulation_fusion=fused)
         self.trainer = StepRunner.build(cfg, ParallelMesh(validate(cfg, world), "cpu"),
                                         RandomTokens(cfg.num_microbatches, cfg.seq_len, cfg.model.vocab_size),
                                         torch.device("cpu"))
@@ -164,10 +171,10 @@ class Units:
 class Ours:
     """Our runtime over plain chunks, on the units side's pipeline communicators."""
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh):
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, fused: bool = False):
         rank, pp, vpp = dist.get_rank(), cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages
         self.chunks, self.m = plain_chunks(cfg, rank), cfg.num_microbatches
-        self.sinks = GradSinks(self.chunks) if splits_backward(cfg.pipeline_schedule) else None
+        self.sinks = GradSinks(self.chunks, fused) if fused or splits_backward(cfg.pipeline_schedule) else None
         self.data = RandomTokens(self.m, cfg.seq_len, cfg.model.vocab_size)
         program = list(pipeline_actions(cfg.pipeline_schedule, pp, vpp, self.m)[rank])
         self.runtime = PipelineRuntime(program, pp, self.chunks, [_NoMarks()] * vpp, mesh.group("pp"),
@@ -185,7 +192,7 @@ class Ours:
         calls = self.sinks.calls if self.sinks else 0
         self.runtime.run_step(lambda mb: tokens[mb : mb + 1, :-1], loss)
         if self.sinks and self.sinks.calls - calls != len(self.sinks.weights) * self.m:
-            raise RuntimeError(f"W ran {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
+            raise RuntimeError(f"the sinks took {self.sinks.calls - calls} weight-gradient GEMMs, not one per linear "
                                f"weight and microbatch ({len(self.sinks.weights)} x {self.m})")
         take_plain_grads(self.chunks, grads)
         return total[0]
@@ -283,11 +290,12 @@ def grad_rel_diff(a: Grads, b: Grads) -> float:
 
 
 def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int, schedule: str, m: int) -> dict:
-    """One configuration's three sides, in processes of their own."""
+    """One configuration's sides, in processes of their own."""
     torch.set_num_threads(1)
     cfg = bench_config(model, seq, world, schedule, m)
     units = Units(cfg, world)
-    sides = (Ours(cfg, units.trainer.mesh), Torch(cfg), units)
+    mesh = units.trainer.mesh
+    sides = (Ours(cfg, mesh), Ours(cfg, mesh, fused=True), Torch(cfg), units, Units(cfg, world, fused=True))
     check = _step_zero(sides)  # also the warmup
     times = [[] for _ in SIDES]
     for r in range(rounds):
@@ -298,10 +306,12 @@ def run_pp(rank: int, world: int, model: str, seq: int, rounds: int, k: int, sch
 
 
 def _step_zero(sides) -> dict:
-    grads = [{} for _ in sides]
-    losses = [comm_sum(side.step(0, g)) for side, g in zip(sides, grads)]
+    grads = dict(zip(SIDES, ({} for _ in sides)))
+    losses = [comm_sum(side.step(0, grads[name])) for side, name in zip(sides, SIDES)]
     return {"loss": worst(abs(x - losses[0]) / losses[0] for x in losses),
-            "grad_torch": grad_rel_diff(grads[0], grads[1]), "grad_units": grad_rel_diff(grads[2], grads[0])}
+            "grad_torch": grad_rel_diff(grads["ours"], grads["torch"]),
+            "grad_fused": grad_rel_diff(grads["fused"], grads["ours"]),
+            "grad_units": worst(grad_rel_diff(grads[u], grads["ours"]) for u in ("units", "units_fused"))}
 
 
 def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
@@ -310,7 +320,7 @@ def _ratio(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def _result(cfg: TrainConfig, world: int, sides: tuple, times: list, check: dict) -> dict:
-    ours, torch_side = sides[0], sides[1]
+    ours, torch_side = sides[SIDES.index("ours")], sides[SIDES.index("torch")]
     ours.runtime.trace = torch_side.trace = []
     ours.step(99)
     bubble, costs = measured_bubble(ours.runtime.trace)
@@ -323,8 +333,11 @@ def _result(cfg: TrainConfig, world: int, sides: tuple, times: list, check: dict
                          v_shape=cfg.pipeline_v_shape).bubble_fraction
     ms = {side: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for side, rounds in zip(SIDES, times)}
     p2p = max(comm.all_gather_object(ours.runtime.peak_p2p_bytes, comm.world()))
+    t = dict(zip(SIDES, times))
     return {"schedule": cfg.pipeline_schedule, "m": cfg.num_microbatches, "ms": ms,
-            "vs_torch": _ratio(times[0], times[1]), "units": _ratio(times[2], times[0]),
+            "vs_torch": _ratio(t["ours"], t["torch"]), "fused_vs_torch": _ratio(t["fused"], t["torch"]),
+            "units": _ratio(t["units"], t["ours"]), "units_fused_vs_torch": _ratio(t["units_fused"], t["torch"]),
+            "fused_vs_ours": _ratio(t["fused"], t["ours"]), "units_fused_vs_units": _ratio(t["units_fused"], t["units"]),
             "bubble": bubble, "torch_bubble": torch_bubble, "simulated": simulated, "p2p_mib": p2p / 2**20, **check}
 
 
@@ -347,19 +360,20 @@ def main() -> None:
         opts.rounds, opts.steps_per_round = 2, 1
     print(f"torch {torch.__version__}, model={opts.model}, seq {opts.seq}, microbatch 1, fp32, CPU gloo, "
           f"pp={PP}, 1 thread/rank")
-    print("| schedule | M | ours ms | torch ms | ours + units ms | ours / torch | units / ours | bubble measured | "
-          "bubble simulated | torch bubble measured | peak p2p MiB | loss rel diff | grad rel diff (torch, units) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| schedule | M | ours ms | ours fused ms | torch ms | units ms | units fused ms | ours / torch | "
+          "ours fused / torch | units fused / torch | fused / unfused (ours, units) | units / ours | bubble measured | "
+          "bubble simulated | torch bubble measured | peak p2p MiB | loss rel diff | grad rel diff (torch, fused, units) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     diffs = []
     for schedule, m in ((s, m) for s in SCHEDULES for m in (PP, 2 * PP, 4 * PP, 2 * PP - 1)):
         r = spawn(PP, run_pp, opts.model, opts.seq, opts.rounds, opts.steps_per_round, schedule, m)
-        diffs += [r["loss"], r["grad_torch"], r["grad_units"]]
-        ms = r["ms"]
-        print(f"| {r['schedule']} | {r['m']} | {ms['ours']:.0f} | {ms['torch']:.0f} | {ms['units']:.0f} | "
-              f"{r['vs_torch']:.3f} | {r['units']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | {r['torch_bubble']:.1%} | "
-              f"{r['p2p_mib']:.2f} | {r['loss']:.1e} | {r['grad_torch']:.1e}, {r['grad_units']:.1e} |", flush=True)
-    print("\n" + require_agreement("step-0 losses and gradients of ours, torch and ours + units", worst(diffs),
-                                   rtol=1e-5))
+        diffs += [r["loss"], r["grad_torch"], r["grad_fused"], r["grad_units"]]
+        print(f"| {r['schedule']} | {r['m']} | " + " | ".join(f"{r['ms'][side]:.0f}" for side in SIDES) +
+              f" | {r['vs_torch']:.3f} | {r['fused_vs_torch']:.3f} | {r['units_fused_vs_torch']:.3f} | "
+              f"{r['fused_vs_ours']:.3f}, {r['units_fused_vs_units']:.3f} | {r['units']:.3f} | {r['bubble']:.1%} | {r['simulated']:.1%} | {r['torch_bubble']:.1%} | "
+              f"{r['p2p_mib']:.2f} | {r['loss']:.1e} | {r['grad_torch']:.1e}, {r['grad_fused']:.1e}, "
+              f"{r['grad_units']:.1e} |", flush=True)
+    print("\n" + require_agreement("step-0 losses and gradients of every side", worst(diffs), rtol=1e-5))
 
 
 if __name__ == "__main__":

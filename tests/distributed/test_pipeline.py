@@ -54,7 +54,8 @@ def _layouts(world: int):
         for schedule, per_stage in SCHEDULES.items():
             for i, m in enumerate(counts):
                 overrides = dict(pipeline_parallel_size=pp, pipeline_schedule=schedule, batch_size=m,
-                                 reshard_after_forward=i % 2 == 0, optimize_backward_concat=i == 1)
+                                 reshard_after_forward=i % 2 == 0, optimize_backward_concat=i == 1,
+                                 gradient_accumulation_fusion=i == 2)
                 if pp in per_stage:
                     overrides["num_layers_per_virtual_pipeline_stage"] = per_stage[pp]
                 yield f"pp{pp} dp{dp} {schedule} m{m}", config(**overrides), m * dp
@@ -64,6 +65,8 @@ def _check_layouts(rank: int, world: int, reference: dict) -> None:
     for label, cfg, global_batch in _layouts(world):
         trainer, metrics = train(cfg, world)
         assert_matches(metrics, reference[global_batch], label)
+        assert {u.cfg.gradient_accumulation_fusion for r in trainer.roots for u in r.units} == \
+            {cfg.gradient_accumulation_fusion}, label
         ledger = metrics[-1].comm
         units = sum(len(root.units) for root in trainer.roots)
         m, dp = cfg.num_microbatches, trainer.mesh.dims.dp
@@ -91,11 +94,13 @@ def _check_one_concat_per_unit(rank: int, world: int) -> None:
 
 def _check_composition_on_4_ranks(rank: int, world: int, reference: dict) -> None:
     """HSDP (2 replicas of pp=2, the replica all-reduce asynchronous per unit) and activation checkpointing,
-    interleaved, ZB-H1 and ZB-V (whose Ws keep the recomputed operands of their GEMMs)."""
+    interleaved, ZB-H1 and ZB-V (whose Ws keep the recomputed operands of their GEMMs), some with fused
+    gradient accumulation (a recomputed linear's GEMM runs into the accumulator)."""
     interleaved = dict(pipeline_schedule="interleaved_1f1b", num_layers_per_virtual_pipeline_stage=2)
     zero_bubble = dict(pipeline_schedule="zb_h1", num_layers_per_virtual_pipeline_stage=None)
     full, selective = {"model": {"layer_ckpt": "full"}}, {"model": {"layer_ckpt": "selective"}}
-    for overrides in ({"dp_replicate": 2}, full, selective, full | zero_bubble, selective | zero_bubble,
+    fused = {"gradient_accumulation_fusion": True}
+    for overrides in ({"dp_replicate": 2}, full | fused, selective, full | zero_bubble, selective | zero_bubble | fused,
                       selective | {"pipeline_schedule": "zbv"}, full | {"pipeline_schedule": "zbv", "dp_replicate": 2}):
         cfg = config(pipeline_parallel_size=2, batch_size=3, reshard_after_forward=True, **(interleaved | overrides))
         trainer, metrics = train(cfg, world)
@@ -302,7 +307,7 @@ def test_pipeline_layouts_match_one_process(reference, reference_6_layers, tmp_p
 
 def _composition(rank: int, world: int, reference: dict) -> None:
     """tp=2 (SP) x pp=2 x dp=2, n_layers=8: 4 layers per virtual stage for gpipe/1f1b/zb_h1, 2 for interleaved
-    and zbv."""
+    and zbv; fp32 with fused gradient accumulation under 1f1b, zb_h1 and zbv."""
     for schedule, per_stage in (("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2), ("zb_h1", 4), ("zbv", 2)):
         layout = dict(model_parallel_size=2, pipeline_parallel_size=2, batch_size=4, pipeline_schedule=schedule,
                       num_layers_per_virtual_pipeline_stage=per_stage, model={"sequence_parallel": True})
@@ -310,7 +315,8 @@ def _composition(rank: int, world: int, reference: dict) -> None:
         bf16 = [reference_of(train(config(**layout, compute_dtype="bf16", optimize_backward_concat=opt, steps=2),
                                    world)[1]) for opt in (False, True)]
         assert bf16[0] == bf16[1], (schedule, bf16)
-        _, fp32 = train(config(**layout, optimize_backward_concat=True), world)
+        fused = schedule in ("1f1b", "zb_h1", "zbv")
+        _, fp32 = train(config(**layout, optimize_backward_concat=True, gradient_accumulation_fusion=fused), world)
         assert_matches(fp32, reference[8], f"tp2 pp2 dp2 {schedule}")
 
 

@@ -298,6 +298,10 @@ def _check_compile(cfg: TrainConfig) -> None:
     if cfg.model.use_te_layers:
         raise ConfigError("compile=true with model.use_te_layers=true is not supported: TransformerEngine's modules "
                           "(their autocast and fp8 state) do not trace under torch.compile (use the in-tree blocks)")
+    if cfg.gradient_accumulation_fusion:
+        raise ConfigError("compile=true with gradient_accumulation_fusion=true is not supported: the fused "
+                          "weight-gradient GEMM writes into the FSDP unit's accumulator from inside the block's "
+                          "backward, which a compiled graph cannot do (set one of them to false)")
     if splits_backward(cfg.pipeline_schedule):
         raise ConfigError(f"compile=true with pipeline_schedule={cfg.pipeline_schedule} is not supported: a "
                           "zero-bubble B queues its weight-gradient GEMMs from inside the block's backward, which a "

@@ -138,6 +138,7 @@ class TrainConfig:
     dp_replicate: int = 1
     reshard_after_forward: bool = True
     optimize_backward_concat: bool = False
+    gradient_accumulation_fusion: bool = False
     grad_reduce: str = "last_microbatch"
     enable_deterministic_training: bool = False
     log_freq: int = 10

@@ -17,13 +17,16 @@ from parallel.fsdp.state_dict import TPSplit, boxed_parameters
 TIED = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=48, max_seq_len=8, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_a_unit_spanning_the_model_serves_the_weight_both_modules_read(world, reshard_after_forward):
+@pytest.mark.parametrize("reshard_after_forward, fusion", [(True, False), (False, False), (True, True)])
+def test_a_unit_spanning_the_model_serves_the_weight_both_modules_read(world, reshard_after_forward, fusion):
+    """With gradient_accumulation_fusion the head's GEMM writes the slice and the embedding's gradient
+    is added to it: autograd's order for a leaf read twice, so the same bits."""
     reference, model = Transformer(TIED), Transformer(TIED)
     init_weights(reference, TIED, seed=1)
     init_weights(model, TIED, seed=1)
-    root = fully_shard(model, ["tok_embeddings", "layers.0", "layers.1", "head"], world, None,
-                       FSDPConfig(reshard_after_forward=reshard_after_forward), spans={"tok_embeddings": ""})
+    cfg = FSDPConfig(reshard_after_forward=reshard_after_forward, gradient_accumulation_fusion=fusion)
+    root = fully_shard(model, ["tok_embeddings", "layers.0", "layers.1", "head"], world, None, cfg,
+                       spans={"tok_embeddings": ""})
     tokens = torch.randint(0, TIED.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     for m in (reference, model):
         m(tokens).logsumexp(-1).sum().backward()

@@ -115,6 +115,8 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
          "pipeline_schedule=zb_h1 runs one chunk per rank, but num_layers_per_virtual_pipeline_stage gives 2"),
         (["pipeline_parallel_size=2", "pipeline_schedule=zb_h1", "compile=true"], 2,
          "compile=true with pipeline_schedule=zb_h1 is not supported"),
+        (["gradient_accumulation_fusion=true", "compile=true"], 1,
+         "compile=true with gradient_accumulation_fusion=true is not supported"),
         (["pipeline_schedule=zero_bubble"], 1,
          "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv"),
         (["pipeline_parallel_size=2", "pipeline_schedule=zbv"], 2,
