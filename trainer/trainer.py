@@ -30,7 +30,7 @@ from trainer.checkpoint.fingerprint import config_fingerprint, run_fingerprint, 
 from trainer.checkpoint.hf_import import import_hf
 from trainer.checkpoint.resume import refuse_a_changed_run_early, resume, resumed_checkpoint
 from trainer.checkpoint.state import checkpoint_state
-from trainer.config.rules import inert_keys
+from trainer.config.rules import fusion_note, inert_keys
 from trainer.config.schema import TrainConfig
 from trainer.config.vocab import with_tokenizer_vocabulary
 from trainer.data.build import build_data
@@ -67,9 +67,8 @@ class Trainer:
         # The model's vocabulary is the tokenizer's (padded); from here on, every part of the run sees it.
         self.cfg = cfg = with_tokenizer_vocabulary(cfg, self.data.tokenizer.vocab_size, str(self.data.tokenizer.path))
         self.runner = StepRunner.build(cfg, mesh, self.data.loader, device, self.data.eval_loader)
-        if self.rank == 0 and cfg.gradient_accumulation_fusion and dtype_name != "fp32":
-            self.log(f"gradient_accumulation_fusion=true changes nothing with {dtype_name} compute: the weight-gradient "
-                     f"GEMMs' operands are {dtype_name} and the accumulator fp32, so each product is made, then added")
+        if self.rank == 0 and (note := fusion_note(cfg, dtype_name)):
+            self.log(note)
         if self.rank == 0 and cfg.pipeline_parallel_size > 1:  # simulating the step takes a moment: once
             self.log(schedule_summary(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages,
                                       cfg.num_microbatches))

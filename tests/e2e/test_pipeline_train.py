@@ -1,7 +1,7 @@
 """torchrun train.py with pipeline parallelism: the loss falls, a resume is bitwise, and a pipeline
 checkpoint reloads without pipeline parallelism (units are keyed by their names in the whole model)
 and under the V-shaped zero-bubble schedule, pipeline_schedule=zbv (stages placed in a V), which logs
-its simulated bubble.
+its simulated bubble; both reloads run with gradient_accumulation_fusion=true.
 Both resume the straight run's own step-3 checkpoint; a job that dies and resumes in its own dump_dir
 is tests/e2e/test_train.py's."""
 
@@ -32,7 +32,7 @@ def test_interleaved_resume_is_bitwise_and_reloads_without_pipeline(tmp_path):
 
     relaid = tmp_path / "relaid"
     shutil.copytree(step_3, relaid / "checkpoints" / "step_3")
-    relaid_run = train_ok(0, relaid, *FAST, "steps=6", "batch_size=3")
+    relaid_run = train_ok(0, relaid, *FAST, "steps=6", "batch_size=3", "gradient_accumulation_fusion=true")
     assert [r["step"] for r in relaid_run] == [4, 5, 6]
     for record in relaid_run:
         for key in ("loss", "grad_norm"):
@@ -42,8 +42,9 @@ def test_interleaved_resume_is_bitwise_and_reloads_without_pipeline(tmp_path):
     zero_bubble = tmp_path / "zero_bubble"
     shutil.copytree(step_3, zero_bubble / "checkpoints" / "step_3")
     proc = train(2, zero_bubble, *FAST, "steps=6", "pipeline_parallel_size=2", "batch_size=3", "pipeline_schedule=zbv",
-                 "num_layers_per_virtual_pipeline_stage=1")
+                 "num_layers_per_virtual_pipeline_stage=1", "gradient_accumulation_fusion=true")
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "gradient_accumulation_fusion=true changes nothing" not in proc.stdout + proc.stderr  # fp32 compute
     assert "pipeline schedule zbv: pp=2 vpp=2 microbatches=3, simulated bubble" in proc.stdout + proc.stderr
     zero_bubble_run = metrics(zero_bubble)
     assert [r["step"] for r in zero_bubble_run] == [4, 5, 6]

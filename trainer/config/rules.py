@@ -337,6 +337,14 @@ def layout_noops(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
             for key, needs in inert_keys(cfg, dims).items() if get_key(cfg, key) != get_key(_DEFAULTS, key)]
 
 
+def fusion_note(cfg: TrainConfig, compute_dtype: str) -> str | None:
+    """gradient_accumulation_fusion fuses GEMMs whose operands share the accumulator's fp32 only."""
+    if not cfg.gradient_accumulation_fusion or compute_dtype == "fp32":
+        return None
+    return (f"gradient_accumulation_fusion=true changes nothing with {compute_dtype} compute: the weight-gradient "
+            f"GEMMs' operands are {compute_dtype} and the accumulator fp32, so each product is made, then added")
+
+
 def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
     """What the log says at start-up about settings that are accepted but change less than they seem."""
     notes = layout_noops(cfg, dims)

@@ -15,7 +15,7 @@ from parallel.errors import ConfigError
 from tests import REPO
 from parallel.launch_env import LaunchEnv
 from trainer.config.cli import check_overrides
-from trainer.config.rules import layout_noops, start_notes, validate
+from trainer.config.rules import fusion_note, layout_noops, start_notes, validate
 from trainer.config.schema import NOT_SUPPORTED_YET, TrainConfig, from_dict, get_key, unknown_key
 from trainer.observability import wandb_run
 
@@ -214,6 +214,12 @@ def test_zero_bubble_v_is_accepted_on_two_chunks_per_rank_with_the_v_placement()
                "num_layers_per_virtual_pipeline_stage=1", "model_parallel_size=2", "model.layer_ckpt=full")
     validate(cfg, world_size=4)
     assert cfg.virtual_pipeline_stages == 2 and cfg.pipeline_v_shape and not load().pipeline_v_shape
+
+
+def test_gradient_accumulation_fusion_under_bf16_compute_is_named_a_no_op():
+    fused = load("gradient_accumulation_fusion=true")
+    assert fusion_note(fused, "bf16").startswith("gradient_accumulation_fusion=true changes nothing with bf16 compute")
+    assert fusion_note(fused, "fp32") is None and fusion_note(load(), "bf16") is None
 
 
 def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused():
