@@ -96,21 +96,13 @@ def defer_weight_grad(sink: GradSink | None, compute: Callable[[], torch.Tensor]
 
 
 def accumulate_product(out: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor, first: bool) -> None:
-    """out = (first) or += (later) grad_rows^T @ input_rows, as one GEMM into `out` where the dtypes match.
-    Operands in another dtype than `out` (a bf16 GEMM, an fp32 accumulator) are multiplied, then added,
-    on every device, the bits of the unfused path: torch has no mixed-dtype GEMM on CPU, and CUDA's
-    (`out_dtype`) would skip the product's rounding to bf16, untested here without a GPU."""
-    a = grad_rows.t()
-    if a.dtype != out.dtype:
-        product = a.mm(input_rows)
-        if first:
-            torch.add(product, 0.0, out=out)
-        else:
-            out.add_(product)
-    elif first:
-        torch.mm(a, input_rows, out=out)
+    """out = (first) or += (later) grad_rows^T @ input_rows, as one GEMM into `out`, whose dtype the operands
+    share (a fusing sink has operands in its accumulator's dtype: torch has no mixed-dtype GEMM on CPU,
+    and CUDA's, `out_dtype`, would skip the product's rounding to bf16, untested here without a GPU)."""
+    if first:
+        torch.mm(grad_rows.t(), input_rows, out=out)
     else:
-        out.addmm_(a, input_rows)
+        out.addmm_(grad_rows.t(), input_rows)
 
 
 class DotGradSink:

@@ -100,13 +100,17 @@ def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) 
 
 
 def _route_inputs(args: tuple, on_backward_end) -> tuple | None:
-    """The positional tensor inputs that need a gradient go through _EndOfBackward (None: there are none)."""
+    """The positional tensor inputs that need a gradient go through _EndOfBackward (None: there are none).
+    A routed input keeps its gradient sink: a parameter view passed in (the tied embedding, which the
+    head unit reads as its weight) still takes its GEMM's gradient (parallel/weight_grads.py)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     if not positions:
         return None
     routed = _EndOfBackward.apply(on_backward_end, *(args[i] for i in positions))
     out = list(args)
     for i, tensor in zip(positions, routed):
+        if (sink := weight_grads.sink_of(args[i])) is not None:
+            weight_grads.set_sink(tensor, sink)
         out[i] = tensor
     return tuple(out)
 

@@ -268,7 +268,9 @@ class FSDPUnit:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _cut_views(self)
-        fuses = self.cfg.gradient_accumulation_fusion
+        # Fused only where the GEMM's operands are the accumulator's fp32: with bf16 operands the key is a
+        # no-op, bitwise (a weight read twice, the tied embedding, sums its two gradients in bf16 first).
+        fuses = self.cfg.gradient_accumulation_fusion and self.cfg.compute_dtype == torch.float32
         for index, view in enumerate(views):
             weight_grads.set_sink(view, ParamGradSink(self, index, fuses, self.ticket))
         self._views = views

@@ -342,7 +342,7 @@ def fusion_note(cfg: TrainConfig, compute_dtype: str) -> str | None:
     if not cfg.gradient_accumulation_fusion or compute_dtype == "fp32":
         return None
     return (f"gradient_accumulation_fusion=true changes nothing with {compute_dtype} compute: the weight-gradient "
-            f"GEMMs' operands are {compute_dtype} and the accumulator fp32, so each product is made, then added")
+            f"GEMMs' operands are {compute_dtype} and the accumulator fp32, so nothing is fused")
 
 
 def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:

@@ -12,15 +12,18 @@ from model.init import init_weights
 from model.transformer import Transformer
 from parallel.fsdp import FSDPConfig, fully_shard
 from parallel.fsdp.flat_param import FlatParamSpec
+from parallel.fsdp.grad_sync import ParamGradSink
 from parallel.fsdp.state_dict import TPSplit, boxed_parameters
 
 TIED = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=48, max_seq_len=8, tie_embeddings=True)
 
 
 @pytest.mark.parametrize("reshard_after_forward, fusion", [(True, False), (False, False), (True, True)])
-def test_a_unit_spanning_the_model_serves_the_weight_both_modules_read(world, reshard_after_forward, fusion):
-    """With gradient_accumulation_fusion the head's GEMM writes the slice and the embedding's gradient
-    is added to it: autograd's order for a leaf read twice, so the same bits."""
+def test_a_unit_spanning_the_model_serves_the_weight_both_modules_read(world, monkeypatch, reshard_after_forward,
+                                                                       fusion):
+    """With gradient_accumulation_fusion the head's GEMM (its weight reaches the head unit routed through
+    its end-of-backward function, sink and all) writes the slice and the embedding's gradient is added to
+    it: autograd's order for a leaf read twice, so the same bits."""
     reference, model = Transformer(TIED), Transformer(TIED)
     init_weights(reference, TIED, seed=1)
     init_weights(model, TIED, seed=1)
@@ -28,9 +31,13 @@ def test_a_unit_spanning_the_model_serves_the_weight_both_modules_read(world, re
     root = fully_shard(model, ["tok_embeddings", "layers.0", "layers.1", "head"], world, None, cfg,
                        spans={"tok_embeddings": ""})
     tokens = torch.randint(0, TIED.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    products, add_product = [], ParamGradSink.add_product
+    monkeypatch.setattr(ParamGradSink, "add_product", lambda sink, *rows: (products.append(sink.unit_ref().name),
+                                                                          add_product(sink, *rows)))
     for m in (reference, model):
         m(tokens).logsumexp(-1).sum().backward()
     root.finish_gradient_sync()
+    assert products.count("tok_embeddings") == fusion and len(products) == (4 * TIED.n_layers + 1) * fusion
     weight = reference.tok_embeddings.weight
     assert torch.equal(root.units[0].flat_param.grad[: weight.numel()].view_as(weight), weight.grad)
 
