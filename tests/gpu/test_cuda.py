@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.fp8 import Fp8Gemm, Fp8Recipe
+from parallel import weight_grads
 from tests.e2e.launch import train_ok
 from trainer.observability.flops import device_peak_flops
 
@@ -94,3 +95,20 @@ def test_the_wait_clock_counts_a_wait_that_blocks_only_the_stream():
     finally:
         comm.time_waits_on_stream(None)
         comm.LEDGER.reset()
+
+
+def test_fused_gradient_accumulation_on_cuda_matches_autograd():
+    """gradient_accumulation_fusion's GEMMs on CUDA (mm into .grad, then addmm_ into it) against
+    autograd's product-then-add over three microbatches, fp32."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 512, 64, generator=gen).cuda()
+    weight = torch.randn(96, 64, generator=gen).cuda().requires_grad_()
+    fused = weight.detach().clone().requires_grad_()
+    sink = weight_grads.DotGradSink(fused, fuses=True)
+    weight_grads.set_sink(fused, sink)
+    for mb in range(3):
+        grad_out = torch.randn(2, 512, 96, generator=gen).cuda()
+        torch.nn.functional.linear(x, weight).backward(grad_out)
+        weight_grads.linear(x, fused).backward(grad_out)
+    assert sink.calls == 3
+    torch.testing.assert_close(fused.grad, weight.grad, rtol=1e-5, atol=1e-4)
