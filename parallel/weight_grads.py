@@ -14,9 +14,9 @@ every gradient of a unit (FSDP's reduction) is queued behind the unit's GEMMs (p
 A sink that `fuses` (gradient accumulation fusion, as Megatron's) takes the GEMM in every backward,
 deferred or not, and runs it into its accumulator: the step's first gradient is written by the GEMM
 itself, later ones are added by it (beta = 1). Unfused, the GEMM makes a new tensor that is then
-added: one allocation and one pass over the gradient more per weight and microbatch. The two differ in
-rounding where the GEMM splits its inner dimension (about 1000 tokens and more on CPU): a numerics
-experiment keeps the setting fixed.
+added: one allocation and one pass over the gradient more per weight and microbatch. Adding inside the
+GEMM's sums may round differently from adding after them (in the last bits, from the second
+microbatch on): a numerics experiment keeps the setting fixed. FSDP units fuse with fp32 compute only.
 """
 
 from collections.abc import Callable, Iterator
