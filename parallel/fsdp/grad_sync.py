@@ -49,23 +49,29 @@ def accumulator_slice(unit: FSDPUnit, index: int) -> torch.Tensor:
     return unit.grad_accumulator[offset : offset + unit.spec.numels[index]]
 
 
+def _claim_slice(unit: FSDPUnit, index: int) -> tuple[torch.Tensor, bool]:
+    """Parameter `index`'s slice, about to be written, and whether this is its first write of the step
+    (it holds no values yet)."""
+    piece = accumulator_slice(unit, index)
+    first = index in unit.unwritten
+    unit.unwritten.discard(index)
+    return piece, first
+
+
 def zeroed_slice(unit: FSDPUnit, index: int) -> torch.Tensor:
     """A slice that holds zeros from now on, for a module that accumulates into it itself (main_grad)."""
-    piece = accumulator_slice(unit, index)
-    if index in unit.unwritten:
-        piece.zero_()
-        unit.unwritten.discard(index)
-    return piece
+    piece, first = _claim_slice(unit, index)
+    return piece.zero_() if first else piece
 
 
 def accumulate_param_grad(unit: FSDPUnit, index: int, grad: torch.Tensor) -> None:
     """Add one parameter's (compute-dtype) gradient into its fp32 slice: in place, or as 0 + grad if it is
     the slice's first, which costs one pass instead of a zero-fill plus an add and gives the same bits (a
     -0.0 becomes +0.0 either way), so optimize_backward_concat on and off agree to the bit."""
-    piece = accumulator_slice(unit, index).view(grad.shape)
-    if index in unit.unwritten:
+    piece, first = _claim_slice(unit, index)
+    piece = piece.view(grad.shape)
+    if first:
         torch.add(grad, 0.0, out=piece)
-        unit.unwritten.discard(index)
     else:
         piece.add_(grad)
 
@@ -96,9 +102,8 @@ class ParamGradSink:
         unit = self.unit_ref()
         if not is_deferring():  # in the backward (a zero-bubble W runs after it, before the reduction)
             refuse_late_gradient(unit, self.ticket)
-        piece = accumulator_slice(unit, self.index).view(unit.spec.shapes[self.index])
-        accumulate_product(piece, grad_rows, input_rows, first=self.index in unit.unwritten)
-        unit.unwritten.discard(self.index)
+        piece, first = _claim_slice(unit, self.index)
+        accumulate_product(piece.view(unit.spec.shapes[self.index]), grad_rows, input_rows, first)
 
 
 def write_flat_grad(unit: FSDPUnit, grads: Sequence[torch.Tensor | None]) -> None:

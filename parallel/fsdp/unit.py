@@ -152,6 +152,9 @@ class FSDPUnit:
         self.gradients_pending = 0  # forwards with grad whose backward has not finished
         self.ticket: BackwardTicket | None = None  # the latest forward's (see hooks.py)
         self.shard_grad_sum: torch.Tensor | None = None  # grad_reduce=per_microbatch: fp32, shard-sized
+        # Linears' GEMMs run into the accumulator only where their operands are its fp32: with bf16 the key is
+        # a no-op, bitwise (a weight read twice, the tied embedding, sums its two gradients in bf16 first).
+        self._fuses = cfg.gradient_accumulation_fusion and cfg.compute_dtype == torch.float32
 
     def _initial_shard(self, init: Initializer) -> torch.Tensor:
         shard = torch.zeros(self.spec.shard_size, device=init.device)
@@ -268,11 +271,8 @@ class FSDPUnit:
             views = list(_ConnectedViews.apply(self, self._full))
         else:
             views = _cut_views(self)
-        # Fused only where the GEMM's operands are the accumulator's fp32: with bf16 operands the key is a
-        # no-op, bitwise (a weight read twice, the tied embedding, sums its two gradients in bf16 first).
-        fuses = self.cfg.gradient_accumulation_fusion and self.cfg.compute_dtype == torch.float32
         for index, view in enumerate(views):
-            weight_grads.set_sink(view, ParamGradSink(self, index, fuses, self.ticket))
+            weight_grads.set_sink(view, ParamGradSink(self, index, self._fuses, self.ticket))
         self._views = views
         self._show_views()
         # A view made under no_grad still says requires_grad=True but has no grad_fn: its gradient
