@@ -16,6 +16,7 @@ from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.records import RecordFormat
 from trainer.data.sampler import BlendedBatchSampler, GlobalBatchSampler, HeldOutSampler, split_windows
+from trainer.data.sources import check_disjoint
 from trainer.data.tokenizer import Tokenizer, choose_tokenizer
 
 
@@ -74,6 +75,8 @@ def prepare_sources(cfg: TrainConfig, rank: int, log: Callable[[str], None], res
         log(choice.note)
     path, key, origin = choice.path, choice.key, choice.origin
     names = [source or DEFAULT_CORPUS for source in cfg.data.sources]
+    if len(names) > 1:
+        check_disjoint(cfg.data.sources)
     parts = []
     for i, source in enumerate(cfg.data.sources):
         tokenizer, tokens = prepare_dataset(

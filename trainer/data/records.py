@@ -87,7 +87,7 @@ def _text_documents(path: Path, fmt: RecordFormat, count: RecordCount) -> Iterat
         raise ConfigError(f"data.source file {path} {reason}")
     json_lines = is_json_lines(path)
     try:
-        with io.TextIOWrapper(open_decompressed(path), encoding="utf-8", errors="replace",
+        with io.TextIOWrapper(open_decompressed(path), encoding="utf-8-sig", errors="replace",
                               newline=None if json_lines else "") as f:
             if not json_lines:
                 count.records += 1

@@ -75,6 +75,21 @@ def list_source(source: str | None) -> SourceFiles:
     return SourceFiles(once, left_out, links)
 
 
+def check_disjoint(sources: list[str | None]) -> None:
+    """One line when two sources of a blend hold the same file under different names (a Megatron prefix
+    and its .bin, a folder and a file in it): its documents would be trained on at the sum of both weights,
+    and one source's held-out tail could be trained on through the other."""
+    holder: dict[Path, int] = {}
+    for i, source in enumerate(sources):
+        for path in list_source(source).files:
+            real = path.resolve()
+            if real in holder:
+                j = holder[real]
+                raise ConfigError(f"data.source[{j}]={sources[j]} and data.source[{i}]={source} both hold {path}; "
+                                  "list each file under one source and give that source more weight in data.weights")
+            holder[real] = i
+
+
 def source_kind(path: Path) -> str | None:
     """"text", "jsonl", "parquet", "hf_dataset", "megatron" or None (not a source this trainer reads)."""
     if path.is_dir():

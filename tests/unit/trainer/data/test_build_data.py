@@ -53,7 +53,8 @@ def test_data_shorter_than_one_sequence_names_seq_len(monkeypatch, tmp_path) -> 
 def _build_blend(monkeypatch, tmp_path, sizes: dict[str, int], eval: EvalConfig = EvalConfig(),
                  **data) -> tuple[build.Data, list[str], list]:
     """build_data on sources of `sizes` tokens each (seq_len 10, batch 8); returns the data, its log lines
-    and the (source, tokenizer path) each preparation was given."""
+    and the (source, tokenizer path) each preparation was given, after the sources' files were checked
+    disjoint (a call recorded as ("disjoint", sources))."""
     calls = []
 
     def prepare(source, tokenizer_path, *args, **kwargs):
@@ -63,6 +64,7 @@ def _build_blend(monkeypatch, tmp_path, sizes: dict[str, int], eval: EvalConfig 
         return SimpleNamespace(bos_id=1, path=tmp_path / f"trained-on-{source}"), tokens
 
     monkeypatch.setattr(build, "prepare_dataset", prepare)
+    monkeypatch.setattr(build, "check_disjoint", lambda sources: calls.append(("disjoint", sources)))
     cfg = TrainConfig(dump_dir=str(tmp_path / "dump"), seq_len=10, batch_size=8, steps=25, eval=eval,
                       data=DataConfig(source=list(sizes), **{"held_out_fraction": 0.0, **data}))
     lines: list[str] = []
@@ -71,7 +73,7 @@ def _build_blend(monkeypatch, tmp_path, sizes: dict[str, int], eval: EvalConfig 
 
 def test_a_blend_prepares_each_source_with_the_tokenizer_trained_on_the_first(monkeypatch, tmp_path) -> None:
     data, lines, calls = _build_blend(monkeypatch, tmp_path, {"a": 1001, "b": 3001}, weights=[0.8, 0.2])
-    assert calls == [("a", None), ("b", str(tmp_path / "trained-on-a"))]
+    assert calls == [("disjoint", ["a", "b"]), ("a", None), ("b", str(tmp_path / "trained-on-a"))]
     assert lines == ["data: every source of the blend is tokenized with the tokenizer trained on data.source[0]=a",
                      "data: blend of 2 sources over steps=25: a (weight 0.8, 100 training sequences, 1.60 epochs: "
                      "sequences repeat); b (weight 0.2, 300 training sequences, 0.13 epochs)"]

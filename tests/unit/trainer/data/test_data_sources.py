@@ -3,13 +3,16 @@
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parallel.errors import ConfigError
+from tests.source_kinds import write_megatron
 from trainer.data import prepare as data_module
 from trainer.data.prepare import prepare_dataset
 from trainer.data.records import iter_documents
-from trainer.data.sources import list_source, sources_fingerprint
+from trainer.data.sources import (check_disjoint, list_source,
+                                  sources_fingerprint)
 
 
 class _Stop(Exception):
@@ -97,3 +100,37 @@ def test_a_vocabulary_too_small_for_a_trained_tokenizer_is_refused_before_the_so
     with pytest.raises(ConfigError, match=r"^model.vocab_size=100 must be >= 260 \(the tokenizer trained on data.source"):
         prepare_dataset(str(tmp_path), None, 100, tmp_path / "cache", True, logs.append)
     assert logs == [] and not (tmp_path / "cache").exists()
+
+
+def test_blend_sources_that_hold_the_same_file_under_other_names_are_refused(tmp_path: Path) -> None:
+    """A Megatron prefix and its .bin, or a folder and a file in it, pass the config's name check but would
+    train on the same documents at the sum of both weights: one line naming both sources and the file."""
+    (tmp_path / "mega").mkdir()
+    bin_path = write_megatron(tmp_path / "mega" / "corpus", [[1, 2, 3]], np.int32)
+    prefix = str(bin_path)[: -len(".bin")]
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "one"}\n')
+    (folder / "b.txt").write_text("two")
+    check_disjoint([prefix, str(folder), None])  # three different sources
+    for sources, shared in (([prefix, str(bin_path)], bin_path), ([prefix + ".idx", prefix], bin_path),
+                            ([str(folder), str(folder / "a.jsonl")], folder / "a.jsonl")):
+        with pytest.raises(ConfigError) as info:
+            check_disjoint(sources)
+        message = str(info.value)
+        assert "\n" not in message and f"data.source[0]={sources[0]}" in message
+        assert f"data.source[1]={sources[1]}" in message and f"both hold {shared}" in message
+
+
+@pytest.mark.parametrize("name, text", [("doc.jsonl", '{"text": "first"}\n{"text": "second"}\n'),
+                                        ("doc.txt", "first\nsecond\n")])
+def test_a_byte_order_mark_is_not_part_of_the_first_document(tmp_path: Path, name: str, text: str) -> None:
+    """Editors on Windows start UTF-8 files with a BOM: it is no text (a .txt file's first token would hold
+    it) and no JSON (the first line would be a bad record, silently skipped under data.bad_records=skip)."""
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    plain.mkdir(), marked.mkdir()
+    (plain / name).write_text(text, encoding="utf-8")
+    (marked / name).write_text(text, encoding="utf-8-sig")
+    assert (marked / name).read_bytes().startswith(b"\xef\xbb\xbf")
+    documents = list(iter_documents(marked / name))
+    assert documents == list(iter_documents(plain / name)) and documents[0].startswith("first")
