@@ -49,7 +49,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
         h = h + _attend(block.attention, block.attention_norm(h), cos, sin, cache, name, mask, impl)
         h = h + block.feed_forward(block.ffn_norm(h))
     cache.length += new
-    return model.head(h)
+    return model.logits(h)
 
 
 def _attend(attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,

@@ -137,8 +137,10 @@ class Transformer(nn.Module):
         with self.block_region():
             for layer in self.layers.values():
                 h = layer(h, cos, sin, documents)
-        if self.head is None:
-            return h
+        return h if self.head is None else self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head on the last block's output (a tied head reads the embedding's weight held here)."""
         return self.head(h, self.tok_embeddings.weight if self.head.output is None else None)
 
     def _documents(self, ids: torch.Tensor) -> Documents:

@@ -59,6 +59,21 @@ def test_greedy_ids_are_transformers_generate(llama31, prompt: str) -> None:
         assert generate_ids(model, tokenizer, prompt, NEW_TOKENS) != expected
 
 
+def test_a_tied_model_decodes_with_the_embedding_as_its_head(llama31, tmp_path: Path) -> None:
+    """Llama 3.2-style (tie_word_embeddings: the one chunk's head reads the embedding's weight): the cached
+    decode gives transformers' greedy ids, as the untied model does."""
+    tokenizer = load_tokenizer(llama31[0])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((llama31[0] / name).read_bytes())
+    hf = llama31_folder(tmp_path, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, init_std=0.2, tied=True)
+    model, tokenizer = load_model(tmp_path, CPU, FP32)
+    assert model.head.output is None
+    inputs = torch.tensor([prompt_ids(tokenizer, PROMPT)])
+    expected = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                           max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_id)[0, inputs.shape[1]:].tolist()
+    assert generate_ids(model, tokenizer, PROMPT, NEW_TOKENS) == expected
+
+
 def test_the_command_prints_the_completion_alone(llama31) -> None:
     folder, _ = llama31
     model, tokenizer = load_model(folder, CPU, FP32)
