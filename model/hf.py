@@ -86,7 +86,8 @@ def from_hf(read: Callable[[str], torch.Tensor], args: ModelArgs) -> dict[str, t
     return weights
 
 
-def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int, max_positions: int | None = None) -> dict:
+def hf_config(args: ModelArgs, dtype_name: str, bos_id: int, eos_id: int | list[int],
+              max_positions: int | None = None) -> dict:
     """LlamaConfig fields; rope_theta, rope_scaling and torch_dtype are the spellings both transformers 4
     and 5 read. max_position_embeddings, the context inference servers allow, is the training seq_len
     unless given."""

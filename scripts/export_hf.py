@@ -10,7 +10,8 @@ its single-process mode, one output shard's parameters at a time, so the process
 (`--max-shard-size`, 5GB by default), not the model. Weights map by name (model/hf.py): fused q/k/v and
 gate/up split into their parts, nothing permuted or reshaped. A padded vocabulary goes out without its
 padding rows, at the tokenizer's size, unless a `checkpoint.init_from_hf` folder padded it itself: that
-one goes back as it came (trainer/config/vocab.py).
+one goes back as it came (trainer/config/vocab.py), with the folder's list of eos ids where it had one
+(the folder's config.json travels in the run's checkpoints: trainer/checkpoint/hf_origin.py).
 
     python scripts/export_hf.py CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] [--no-tokenizer]
                                 [--max-position-embeddings N] [--max-shard-size 5GB]
@@ -37,6 +38,7 @@ from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
 from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
+from trainer.checkpoint.hf_origin import exported_eos, read_origin_config  # noqa: E402
 from trainer.checkpoint.model_folder import read_train_config  # noqa: E402
 from trainer.checkpoint.state import load_full_weights  # noqa: E402
 from trainer.config.schema import TrainConfig  # noqa: E402
@@ -98,14 +100,16 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         raise ConfigError(problem)
     cfg = read_train_config(ckpt)
     tokenizer = load_tokenizer(ckpt, "checkpoint")
-    args = dataclasses.replace(cfg.model, vocab_size=exported_vocab_size(cfg, tokenizer.vocab_size))
+    origin = read_origin_config(ckpt)
+    args = dataclasses.replace(cfg.model, vocab_size=exported_vocab_size(cfg, tokenizer.vocab_size, origin))
     difference = tokenization_difference(tokenizer) if with_tokenizer else None
     if difference:
         raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
                           f"tokenizer ({difference}); pass "
                           "--no-tokenizer to export the weights and config only")
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, tokenizer.eos_id, max_positions)
+    config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, exported_eos(origin, tokenizer.eos_id),
+                       max_positions)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_weights(ckpt, cfg, args, out, dtype, shard_plan(args, dtype, max_shard_bytes))
     if with_tokenizer:

@@ -57,7 +57,7 @@ def write_hf_tokenizer(tiktoken_file: Path, folder: Path) -> Path:
     return folder / "tokenizer.json"
 
 
-def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int, init_std: float = 0.02, rope: dict = ROPE,
+def llama31_folder(folder: Path, vocab_size: int, bos: int, eos: int | list[int], init_std: float = 0.02, rope: dict = ROPE,
                    tied: bool = False) -> "transformers.LlamaForCausalLM":
     """A tiny random Llama 3.1 (GQA, an intermediate_size no sizing rule gives, `rope`) saved in `folder`;
     its weights drawn with std `init_std` (transformers' initializer_range); with `tied`, Llama 3.2-style:

@@ -28,6 +28,7 @@ from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import ExtraFiles, prune_checkpoints, save_checkpoint
 from trainer.checkpoint.fingerprint import config_fingerprint, run_fingerprint, write_fingerprint
 from trainer.checkpoint.hf_import import import_hf
+from trainer.checkpoint.hf_origin import ORIGIN_FILE, origin_config_bytes
 from trainer.checkpoint.resume import refuse_a_changed_run_early, resume, resumed_checkpoint
 from trainer.checkpoint.state import checkpoint_state
 from trainer.config.rules import fusion_note, inert_keys
@@ -63,7 +64,9 @@ class Trainer:
         dtype_name = DTYPE_NAMES[compute_dtype(cfg, device)]
         # Before the data is prepared (hours for a new corpus): a resume that would be refused says so now.
         refuse_a_changed_run_early(cfg, config_fingerprint(cfg, dtype_name, cfg.batch_size * mesh.dims.dp))
-        self.data = build_data(cfg, mesh.dp_rank, mesh.dims.dp, self.rank, self.log, resumed_checkpoint(cfg))
+        resumed = resumed_checkpoint(cfg)
+        self.data = build_data(cfg, mesh.dp_rank, mesh.dims.dp, self.rank, self.log, resumed)
+        self.hf_origin = origin_config_bytes(cfg.checkpoint.init_from_hf, resumed)
         # The model's vocabulary is the tokenizer's (padded); from here on, every part of the run sees it.
         self.cfg = cfg = with_tokenizer_vocabulary(cfg, self.data.tokenizer.vocab_size, str(self.data.tokenizer.path))
         self.runner = StepRunner.build(cfg, mesh, self.data.loader, device, self.data.eval_loader)
@@ -91,9 +94,11 @@ class Trainer:
 
     def extra_files(self) -> ExtraFiles:
         """The files every checkpoint carries besides the state: the tokenizer in use, the config, the
-        fingerprint (those two are written into the dump_dir as the job starts)."""
+        fingerprint (those two are written into the dump_dir as the job starts) and, for a run started from
+        a Hugging Face folder, that folder's config.json."""
+        origin = {} if self.hf_origin is None else {ORIGIN_FILE: self.hf_origin}
         return {**self.data.tokenizer.files, CONFIG_FILE: self.dump_dir / CONFIG_FILE,
-                FINGERPRINT_FILE: self.dump_dir / FINGERPRINT_FILE}
+                FINGERPRINT_FILE: self.dump_dir / FINGERPRINT_FILE, **origin}
 
     def resume(self) -> int:
         """Load the newest complete checkpoint of the dump_dir (or, starting afresh, the Hugging Face

@@ -19,6 +19,7 @@ from scripts.generate import generate_ids, prompt_ids
 from tests.e2e.launch import REPO, train_ok
 from tests.e2e.test_hf_import import hf_tensors
 from tests.llama3_folder import ROPE, corpus_lines, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
+from trainer.checkpoint.hf_origin import ORIGIN_FILE
 from trainer.checkpoint.model_folder import load_model
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
@@ -31,16 +32,17 @@ LLAMA32_ROPE = ROPE | {"factor": 32.0}
 
 
 def import_train_export(tmp_path: Path, layout: tuple[str, ...], dp: int, rope: dict = ROPE,
-                        tied: bool = False) -> tuple[transformers.LlamaForCausalLM, Path, Path]:
+                        tied: bool = False, eos_list: bool = False) -> tuple[transformers.LlamaForCausalLM, Path, Path]:
     """The folder trains one step at a negligible LR with model=hf on `layout` (4 ranks, `dp` of them data
     parallel), with transformers' loss on the same global batch, and exports back bitwise, weights and
-    tokenizer files alike; returns the model, the step-1 checkpoint and the exported folder."""
+    tokenizer files alike, and its eos ids (`eos_list`: a list, as instruct models declare, with one more
+    id than the tokenizer's eos); returns the model, the step-1 checkpoint and the exported folder."""
     hf_dir = tmp_path / "Llama-3-tiny"
     write_hf_tokenizer(write_tiktoken(learned_ranks(), tmp_path / "ranks" / "tokenizer.model"), hf_dir)
     tokenizer = load_tokenizer(hf_dir)
     # Weights of std 0.2, not 0.02: attention sharp enough that the RoPE scaling decides the output.
-    hf = llama31_folder(hf_dir, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, init_std=0.2, rope=rope,
-                        tied=tied)
+    eos = [tokenizer.eos_id - 1, tokenizer.eos_id] if eos_list else tokenizer.eos_id
+    hf = llama31_folder(hf_dir, tokenizer.vocab_size, tokenizer.bos_id, eos, init_std=0.2, rope=rope, tied=tied)
     source = tmp_path / "corpus.txt"
     source.write_text("\n".join(corpus_lines(200)))
     cache = tmp_path / "cache"
@@ -68,8 +70,10 @@ def import_train_export(tmp_path: Path, layout: tuple[str, ...], dp: int, rope: 
     assert done.returncode == 0, done.stderr
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    # The folder's config.json travels in the checkpoints: the export declares the folder's eos ids.
+    assert (ckpt / ORIGIN_FILE).read_bytes() == (hf_dir / "config.json").read_bytes()
     config = json.loads((out / "config.json").read_text())
-    assert (config["rope_scaling"], config["tie_word_embeddings"]) == (rope, tied)
+    assert (config["rope_scaling"], config["tie_word_embeddings"], config["eos_token_id"]) == (rope, tied, eos)
     original, exported = hf_tensors(hf_dir), hf_tensors(out)
     assert original.keys() == exported.keys()
     for name, tensor in original.items():
@@ -78,7 +82,8 @@ def import_train_export(tmp_path: Path, layout: tuple[str, ...], dp: int, rope: 
 
 
 def test_model_hf_on_tp2_pp2_gives_transformers_loss_and_exports_back_bitwise(tmp_path):
-    hf, ckpt, _ = import_train_export(tmp_path, ("model_parallel_size=2", "pipeline_parallel_size=2"), dp=1)
+    hf, ckpt, _ = import_train_export(tmp_path, ("model_parallel_size=2", "pipeline_parallel_size=2"), dp=1,
+                                      eos_list=True)
     # The checkpoint of any layout generates, greedily, what transformers generates from the folder, for a
     # prompt longer than the original context the scaling stretches.
     model, ours = load_model(ckpt, torch.device("cpu"), torch.float32)

@@ -58,11 +58,16 @@ def with_tokenizer_vocabulary(cfg: TrainConfig, ids: int, where: str) -> TrainCo
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size, valid_vocab_size=ids))
 
 
-def exported_vocab_size(cfg: TrainConfig, ids: int) -> int:
+def exported_vocab_size(cfg: TrainConfig, ids: int, origin: dict | None = None) -> int:
     """The vocabulary an export writes, of a run whose tokenizer has `ids` ids: those, the padding dropped,
-    except for a run started from a Hugging Face folder without make_vocab_size_divisible_by: its
-    model.vocab_size is the folder's own (hf_folder.check_architecture), kept so that a round trip gives
-    the folder back. (The key pads only a folder of the tokenizer's size: hf_folder.check_vocab.)"""
+    except for a run started from a Hugging Face folder: the folder's own vocab_size (`origin`: its config.json
+    as the checkpoint carries it), so that a round trip gives the folder back, also after a resume that
+    kept a padded size with make_vocab_size_divisible_by=null. A checkpoint that carries no origin (saved
+    before checkpoints did) falls back on the config: started from a folder without the key, model.vocab_size
+    is the folder's (hf_folder.check_architecture; the key pads only a folder of the tokenizer's size:
+    hf_folder.check_vocab)."""
+    if origin is not None and type(origin.get("vocab_size")) is int:
+        return origin["vocab_size"]
     if cfg.checkpoint.init_from_hf is not None and cfg.make_vocab_size_divisible_by is None:
         return cfg.model.vocab_size
     return ids

@@ -79,6 +79,20 @@ def test_an_export_drops_the_padding_but_keeps_a_folders_own():
     assert exported_vocab_size(folder_padded, 500) == 512  # the folder's own vocab_size: a round trip keeps it
 
 
+def test_an_export_of_an_import_writes_the_folders_vocabulary_after_any_resume(tmp_path):
+    """The folder's config.json, carried by the run's checkpoints, decides: a run padded by the key (tp2: 512)
+    and resumed on tp4 as the refusal says (make_vocab_size_divisible_by=null model.vocab_size=512) reads as
+    a folder that padded itself from its config alone, and would export its zero padding rows as ids."""
+    padded = with_tokenizer_vocabulary(load("make_vocab_size_divisible_by=256", "model_parallel_size=2"), 500, "t")
+    started = dataclasses.replace(padded, checkpoint=dataclasses.replace(padded.checkpoint, init_from_hf="/hf"))
+    resumed = dataclasses.replace(started, make_vocab_size_divisible_by=None)
+    assert started.model.vocab_size == resumed.model.vocab_size == 512
+    folder = {"vocab_size": 500}
+    assert exported_vocab_size(started, 500, folder) == exported_vocab_size(resumed, 500, folder) == 500
+    assert exported_vocab_size(resumed, 500) == 512  # without the carried config: the config's reading
+    assert exported_vocab_size(resumed, 500, {"vocab_size": 512}) == 512  # a folder padded by its makers
+
+
 def test_an_exports_tensors_leave_the_padding_rows_out():
     padded = ModelArgs(vocab_size=640, valid_vocab_size=512)
     weights = {name: torch.randn(param.shape) for name, param in Transformer(padded).named_parameters()}
