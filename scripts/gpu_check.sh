@@ -24,17 +24,28 @@ for arg in "$@"; do
     *) OUT=$arg ;;
   esac
 done
-PY=.venv/bin/python
-[ -x "$PY" ] || PY=python3
+# The project's .venv where it has a working torch; else python3 (an image's own CUDA PyTorch, with the
+# packages it lacks on PYTHONPATH: scripts/offline_wheels.sh). A .venv an offline install left half-made
+# has no torch and would read as "no CUDA device".
+PY=python3
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then
+  PY=.venv/bin/python
+fi
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch (scripts/install.sh installs the project into .venv)" >&2
+  exit 1
+fi
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device on this machine" >&2
   exit 1
 fi
 if ! missing=$("$PY" -c "
 import importlib.util
-print(' '.join(m for m in ('hydra', 'omegaconf', 'pytest', 'sentencepiece', 'numpy') if importlib.util.find_spec(m) is None))
+print(' '.join(m for m in ('hydra', 'omegaconf', 'antlr4', 'yaml', 'zstandard', 'safetensors', 'pytest', 'sentencepiece',
+                         'numpy') if importlib.util.find_spec(m) is None))
 ") || [ -n "$missing" ]; then
-  echo "gpu_check: Python packages missing: ${missing:-?} (install the project: pip install -e '.[dev]')" >&2
+  echo "gpu_check: Python packages missing: ${missing:-?} (install the project: pip install -e '.[dev]'; offline:" \
+       "scripts/offline_wheels.sh)" >&2
   exit 1
 fi
 HAS_TE=0
@@ -115,6 +126,9 @@ for (kernel, dtype), (done, total) in sorted(cp.items()):
 final = {run: records[run][-1]["loss"] for run in runs if records[run]}
 if len(final) != len(runs):
     sys.exit("gpu_check: a run logged nothing")
+diverged = [run for run, loss in final.items() if loss is None]  # metrics.jsonl writes NaN/Inf as null
+if diverged:
+    sys.exit(f"gpu_check: {', '.join(diverged)} ended on a non-finite loss")
 for run in runs[1:]:
     if abs(final[run] - final["bf16"]) > 0.05 * abs(final["bf16"]):
         sys.exit(f"gpu_check: {run} loss at step 20 is {final[run]:.4f}, more than 5% from bf16's {final['bf16']:.4f}")

@@ -80,10 +80,13 @@ class NamedAdamW:
         return self._state
 
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{name: {step, exp_avg, exp_avg_sq}}; zero-filled before the first step (for loading into)."""
+        """{name: {step, exp_avg, exp_avg_sq}}; zero-filled before the first step (for loading into). The fused
+        kernel reads the step counts on the parameters' device (a CUDA kernel given a CPU tensor's address
+        would read garbage), the single-tensor path on the host, as torch.optim keeps them."""
         for name, p in zip(self.names, self.params):
             if name not in self._state:
-                self._state[name] = {"step": torch.zeros(())} | {
+                step = torch.zeros((), device=p.device if self.cfg.fused else "cpu")
+                self._state[name] = {"step": step} | {
                     k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATE}
         return self._state
 

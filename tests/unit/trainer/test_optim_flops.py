@@ -163,3 +163,14 @@ def test_the_fused_update_is_the_default_one_up_to_rounding_and_skips_parameters
     default, fused = (m.weight.detach() for m in models)
     torch.testing.assert_close(fused, default, rtol=1e-5, atol=1e-7)
     assert torch.equal(models[1].bias, models[0].bias) and optimizers[1].state()["bias"]["step"].item() == 0
+
+
+def test_the_fused_kernels_step_counts_live_on_the_parameters_device():
+    """torch._fused_adamw_ dereferences each step count on the parameters' device: on CUDA, a CPU count's
+    address would be read as device memory. (The meta device stands in for CUDA here.)"""
+    with torch.device("meta"):
+        modules = [torch.nn.Linear(4, 4)]
+    fused = NamedAdamW(modules, OptimConfig(fused=True)).state()
+    plain = NamedAdamW(modules, OptimConfig(fused=False)).state()
+    assert {slot["step"].device.type for slot in fused.values()} == {"meta"}
+    assert {slot["step"].device.type for slot in plain.values()} == {"cpu"}
