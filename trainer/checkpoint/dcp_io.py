@@ -59,9 +59,11 @@ class HostCopyStager(AsyncStager):
 
 def async_save_state(state: dict, folder: Path, group: ProcessGroup) -> Future:
     """Stage `state` to host memory, then write it in DCP's background thread, its collectives on
-    `group` (a group of its own: the training's collectives run meanwhile)."""
-    return dcp.async_save(state, storage_writer=FileSystemWriter(folder), process_group=group,
-                          async_stager=HostCopyStager())
+    `group` (a group of its own: the training's collectives run meanwhile). The staged copy is on the host
+    already: no copy-ahead, whose CUDA stream calls in that thread (never given a device) would open a CUDA
+    context on GPU 0 from every rank of a node."""
+    return dcp.async_save(state, storage_writer=FileSystemWriter(folder, per_thread_copy_ahead=0),
+                          process_group=group, async_stager=HostCopyStager())
 
 
 _ALLOWED_GLOBALS = {

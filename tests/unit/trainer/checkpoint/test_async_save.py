@@ -43,3 +43,17 @@ def test_the_completion_of_a_save_reports_its_main_thread_time(tmp_path, world, 
     start = "saving checkpoint of step 2 in the background (the step loop stalled 0.050 s)"
     assert stalls_per_save("\n".join([start, *lines])) == {1: [float(completed[0][2])],
                                                             2: [0.05, float(completed[1][2])]}
+
+
+def test_the_background_write_makes_no_cuda_call(tmp_path, world, monkeypatch):
+    """DCP's writer thread is never given a device: a CUDA stream call there opens a context on GPU 0, from
+    every rank of a node. The state is staged to host memory first, so the write needs none; here CUDA
+    reads as available and any stream call in the thread is recorded."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: calls.append("current_stream"))
+    saver = AsyncCheckpointer(tmp_path, world, cache(lambda: dist.new_group(backend="gloo")), 0, keep=1,
+                              extra_files={}, log=lambda line: None, device=torch.device("cpu"))
+    saver.save(1, state(1))
+    saver.wait()
+    assert calls == [] and (tmp_path / "step_1").is_dir()
