@@ -40,6 +40,16 @@ def pinned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: st
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def check_deterministic_kernel(name: str, deterministic: bool) -> None:
+    """cuDNN attention's backward is not deterministic: torch rules it out under deterministic algorithms
+    (so the pinned kernel would read as missing), and context parallelism, which calls the kernel itself,
+    would run it anyway. One line instead."""
+    if deterministic and name == "cudnn":
+        raise ConfigError("model.efficient_attn=cudnn with enable_deterministic_training=true: cuDNN attention's "
+                          "backward is not deterministic (torch rules it out in deterministic mode); pin flash, "
+                          "cutlass or math, or let sdpa pick")
+
+
 def check_attention_kernel(name: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                            head_dim: int, masked: bool) -> None:
     """Raise one ConfigError line if the pinned kernel `name` cannot run attention of these shapes (per

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from model.attention_kernels import check_deterministic_kernel
 from model.fp8 import GEMM_MULTIPLE
 from parallel.errors import ConfigError
 from parallel.mesh import ParallelDims
@@ -217,6 +218,7 @@ def _check_model(cfg: TrainConfig) -> None:
     _divisible("model.n_heads", m.n_heads, "model.n_kv_heads", m.n_kv_heads)
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    check_deterministic_kernel(m.efficient_attn, cfg.enable_deterministic_training)
 
 
 def _check_parallel_divisibility(cfg: TrainConfig) -> None:

@@ -117,6 +117,9 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
          "compile=true with pipeline_schedule=zb_h1 is not supported"),
         (["gradient_accumulation_fusion=true", "compile=true"], 1,
          "compile=true with gradient_accumulation_fusion=true is not supported"),
+        (["model.efficient_attn=cudnn", "enable_deterministic_training=true"], 1,
+         "model.efficient_attn=cudnn with enable_deterministic_training=true: cuDNN attention's backward is not "
+         "deterministic"),
         (["pipeline_schedule=zero_bubble"], 1,
          "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv"),
         (["pipeline_parallel_size=2", "pipeline_schedule=zbv"], 2,
