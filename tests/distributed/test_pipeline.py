@@ -268,7 +268,8 @@ def _check_p2p_memory_is_independent_of_the_microbatch_count(rank: int, world: i
 
 def _check_uneven_stages(rank: int, world: int, reference: list[float], root: str) -> None:
     """n_layers=6 as 1, 2, 2, 1 layers on pp=4, and as 1, 2 | 2, 1 over two chunks on pp=2, match one
-    process; a checkpoint of the 1, 2, 2, 1 split resumes on the even pp=2 split (3, 3) as it continues."""
+    process; a checkpoint of the 1, 2, 2, 1 split after step 2 resumes on the even pp=2 split (3, 3) as it
+    continues: step 3 checks the weights, step 4 Adam's moments and step counts (step 3 updated with them)."""
     uneven = dict(model={"n_layers": 6}, steps=UNEVEN_STEPS, pipeline_first_stage_layers=1, pipeline_last_stage_layers=1)
     layouts = {"pp4 1-2-2-1": config(pipeline_parallel_size=4, batch_size=4, **uneven),
                "pp2 vpp2 1-2-2-1": config(pipeline_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
@@ -277,17 +278,18 @@ def _check_uneven_stages(rank: int, world: int, reference: list[float], root: st
         trainer = make_trainer(cfg, world)
         per_rank = [[1], [2], [2], [1]] if cfg.pipeline_parallel_size == 4 else [[1, 2], [2, 1]]
         assert [len(chunk.layers) for chunk in trainer.chunks] == per_rank[trainer.mesh.rank_in("pp")], label
-        metrics = [trainer.train_step(step) for step in range(1, UNEVEN_STEPS)]
-        if cfg.pipeline_parallel_size == 4:
-            saved = save_checkpoint(Path(root) / "uneven", UNEVEN_STEPS - 1, checkpoint_state_of(trainer, rank, 3),
-                                    dist.group.WORLD, rank, {})
-        metrics.append(trainer.train_step(UNEVEN_STEPS))
+        metrics = []
+        for step in range(1, UNEVEN_STEPS + 1):
+            metrics.append(trainer.train_step(step))
+            if cfg.pipeline_parallel_size == 4 and step == 2:
+                saved = save_checkpoint(Path(root) / "uneven", step, checkpoint_state_of(trainer, rank, step),
+                                        dist.group.WORLD, rank, {})
         assert_matches(metrics, reference, label)
     even = make_trainer(config(model={"n_layers": 6}, steps=UNEVEN_STEPS, pipeline_parallel_size=2, batch_size=2), world)
     rng = RNGStreams(0, 0, torch.device("cpu"))
-    assert load_into(saved, checkpoint_state_of(even, rank, 0), rng, FixedSampler(), dist.group.WORLD) == 3
-    last = {key: values[-1:] for key, values in reference.items()}
-    assert_matches([even.train_step(UNEVEN_STEPS)], last, "the 1-2-2-1 checkpoint on the even pp2 split")
+    assert load_into(saved, checkpoint_state_of(even, rank, 0), rng, FixedSampler(), dist.group.WORLD) == 2
+    last = {key: values[2:] for key, values in reference.items()}
+    assert_matches([even.train_step(step) for step in (3, 4)], last, "the 1-2-2-1 checkpoint on the even pp2 split")
 
 
 def _pipeline_ranks(rank: int, world: int, reference: dict, reference_6_layers: dict, root: str) -> None:

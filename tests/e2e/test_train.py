@@ -107,21 +107,23 @@ def test_resume_is_bitwise(tmp_path, layout_dirs, layout_runs, name):
         assert resumed[step] == straight[step], (step, resumed[step], straight[step])
 
 
-RELAYOUTS = {
-    "tp1dp4": (4, ("batch_size=1",)),
-    "tp4dp1": (4, ("batch_size=4", "model_parallel_size=4", "model.sequence_parallel=true")),
-    "tp2pp2": (4, ("batch_size=4", "model_parallel_size=2", "pipeline_parallel_size=2", "microbatch_size=2")),
+RELAYOUTS = {  # name: (the layout whose step-3 checkpoint it resumes, ranks, overrides)
+    "tp1dp4": ("tp2dp2", 4, ("batch_size=1",)),
+    "tp4dp1": ("tp2dp2", 4, ("batch_size=4", "model_parallel_size=4", "model.sequence_parallel=true")),
+    "tp2pp2": ("tp2dp2", 4, ("batch_size=4", "model_parallel_size=2", "pipeline_parallel_size=2", "microbatch_size=2")),
+    "hsdp2x2": ("tp2dp2", 4, ("batch_size=1", "dp_replicate=2")),
+    "dp2": ("cp2ring", 2, ("batch_size=2",)),
 }
 
 
 def test_a_checkpoint_resumes_on_other_layouts(tmp_path, layout_dirs, layout_runs):
-    """A tp2 x dp2 checkpoint of step 3 resumes on tp1 x dp4, tp4 x dp1 and tp2 x pp2: every rank reads
-    the boxes of the full parameters (and Adam moments) it owns, and steps 4-6 match the run that never
-    stopped, in loss and gradient norm."""
-    straight = {r["step"]: r for r in layout_runs["tp2dp2"]}
-    for name, (nproc, overrides) in RELAYOUTS.items():
+    """A tp2 x dp2 checkpoint of step 3 resumes on tp1 x dp4, tp4 x dp1, tp2 x pp2 and HSDP 2 x 2, and a
+    cp2 checkpoint on dp2: every rank reads the boxes of the full parameters (and Adam moments) it owns,
+    and steps 4-6 match the run that never stopped, in loss and gradient norm."""
+    for name, (source, nproc, overrides) in RELAYOUTS.items():
+        straight = {r["step"]: r for r in layout_runs[source]}
         relaid = tmp_path / name
-        shutil.copytree(layout_dirs["tp2dp2"] / "checkpoints" / "step_3", relaid / "checkpoints" / "step_3")
+        shutil.copytree(layout_dirs[source] / "checkpoints" / "step_3", relaid / "checkpoints" / "step_3")
         resumed = train_ok(nproc, relaid, *FAST, "steps=6", *overrides)
         assert [r["step"] for r in resumed] == [4, 5, 6], name
         for record in resumed:
