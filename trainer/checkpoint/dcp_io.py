@@ -5,6 +5,7 @@ Importing DCP pulls in DTensor and sympy (about 0.7 s per process), so trainer/c
 this module only when a checkpoint is written or read.
 """
 
+import math
 import pickle
 from concurrent.futures import Future
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from parallel.fsdp.state_dict import BoxedParameter
@@ -106,8 +107,27 @@ def checkpoint_keys(path: Path) -> set[str]:
 
 
 def load_state(path: Path, state: dict, group: ProcessGroup | None) -> None:
-    """Load into the tensors of `state` in place; any failure becomes one CheckpointError line."""
+    """Load into the tensors of `state` in place; any failure becomes one CheckpointError line. A tensor
+    whose saved boxes leave a gap is refused first: DCP fills only what its chunks cover, and would leave
+    the rest of a parameter as it was without a word."""
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
+        gap = first_gap(SafeFileSystemReader(path).read_metadata())
+        if gap is None:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {last_line(e)}")
+    if gap is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {gap}")
+
+
+def first_gap(metadata: Metadata) -> str | None:
+    """The first tensor whose saved chunks do not add up to its size (they never overlap: each rank writes
+    the boxes it owns), said in words; None when every tensor is whole."""
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        if covered != math.prod(entry.size):
+            return (f"{key} of shape {list(entry.size)} was saved as {covered} of its {math.prod(entry.size)} elements "
+                    "(no rank wrote the rest)")
+    return None

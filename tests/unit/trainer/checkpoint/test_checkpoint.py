@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from trainer.checkpoint.dcp_io import SafeFileSystemReader
 from trainer.checkpoint.files import (MANIFEST, CheckpointError, complete_save, latest_checkpoint, load_checkpoint,
@@ -220,3 +221,19 @@ def test_fp8_state_saved_before_scale_flags_existed_loads_with_every_scale_set(t
     ignore = SimpleNamespace(load_state=lambda state: None, check_resumable=lambda state: None)
     assert load_into(path, current, rng=ignore, sampler=ignore, group=world) == 3
     assert flags.all() and torch.equal(scale, torch.full((3,), 2.0))
+
+
+def test_a_tensor_whose_saved_boxes_leave_a_gap_is_refused(tmp_path, world):
+    """DCP fills only what a tensor's saved chunks cover and leaves the rest of the target as it was: a save
+    in which no rank wrote some box of a parameter would load as a silently stale parameter."""
+    path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={})
+    metadata = SafeFileSystemReader(path).read_metadata()
+    whole = metadata.state_dict_metadata["model.w"].chunks[0]
+    metadata.state_dict_metadata["model.w"].chunks = [
+        ChunkStorageMetadata(offsets=whole.offsets, sizes=torch.Size([2, 3]))]  # rows 2-3 unwritten
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    target = {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.tensor(0)}}
+    with pytest.raises(CheckpointError, match=r"cannot be loaded into this run: model.w of shape \[4, 3\] was saved "
+                                              r"as 6 of its 12 elements \(no rank wrote the rest\)$"):
+        load_checkpoint(path, target, world)
+    assert not target["model"]["w"].any()
