@@ -8,9 +8,11 @@ Temperature 0 is greedy; otherwise top-p sampling from a generator seeded with -
 reproducible. Generation stops after --max-new-tokens or at the tokenizer's eos.
 
 Only the completion (the new text, without the eos) goes to stdout, with no newline added, so it can be
-piped; errors are one line on stderr, with exit code 2.
+piped; errors are one line on stderr, with exit code 2. The text of a special token in the prompt is text,
+as in training data (stderr notes it), unless --special-tokens makes it the token, as chat templates mean it.
 
     python scripts/generate.py PATH --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
+                               [--special-tokens]
 """
 
 import sys
@@ -27,20 +29,29 @@ from model.generate import Sampling, generate  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
 from trainer.checkpoint.model_folder import load_model  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
+from trainer.data.tokenizer import Tokenizer, encode_with_special_tokens  # noqa: E402
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    """The prompt's ids, after bos where the tokenizer's models start a text with it (Llama 3's do)."""
-    return ([tokenizer.bos_id] if tokenizer.adds_bos else []) + tokenizer.encode(prompt)
+def prompt_ids(tokenizer: Tokenizer, prompt: str, special_tokens: bool = False) -> list[int]:
+    """The prompt's ids, after bos where the tokenizer's models start a text with it (Llama 3's do). With
+    `special_tokens`, the text of a special token is that token (a chat template's `<|eot_id|>`), and a
+    prompt that spells its own bos first gets no second one."""
+    ids = encode_with_special_tokens(tokenizer, prompt) if special_tokens else tokenizer.encode(prompt)
+    starts = tokenizer.adds_bos and ids[:1] != [tokenizer.bos_id] if special_tokens else tokenizer.adds_bos
+    return ([tokenizer.bos_id] if starts else []) + ids
+
+
+def spelled_special_token(tokenizer: Tokenizer, prompt: str) -> str | None:
+    """The first special token's text the prompt spells (read as text without --special-tokens)."""
+    return next((name for name in tokenizer.special_tokens if name in prompt), None)
 
 
 def generate_ids(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 sampling: Sampling = Sampling()) -> list[int]:
+                 sampling: Sampling = Sampling(), special_tokens: bool = False) -> list[int]:
     """The ids generated after `prompt`, the tokenizer's eos included where generation stopped at it."""
-    ids = prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt, special_tokens)
     if not ids:
         raise ConfigError("--prompt is empty and the tokenizer starts no text with bos: there is nothing to continue")
     return generate(model, ids, max_new_tokens, tokenizer.eos_id, sampling, tokenizer.vocab_size)
@@ -71,13 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="sample among the most likely tokens that together hold probability P")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="of the sampling generator")
+    parser.add_argument("--special-tokens", action="store_true",
+                        help="read the text of a special token in the prompt as that token (a chat template's "
+                             "<|start_header_id|>, <|eot_id|>); without it, such text is text, as in training data")
     opts = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     try:
         sampling = _sampling(opts)
         model, tokenizer = load_model(opts.path, torch.device("cuda" if cuda else "cpu"),
                                       torch.bfloat16 if cuda else torch.float32)
-        ids = generate_ids(model, tokenizer, opts.prompt, opts.max_new_tokens, sampling)
+        spelled = None if opts.special_tokens else spelled_special_token(tokenizer, opts.prompt)
+        if spelled:
+            print(f"note: the prompt spells {spelled}, read as text; --special-tokens reads it as the token",
+                  file=sys.stderr, flush=True)
+        ids = generate_ids(model, tokenizer, opts.prompt, opts.max_new_tokens, sampling, opts.special_tokens)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -7,6 +7,7 @@ name sentencepiece models have too): a Hugging Face tokenizer.json (tokenizer_hf
 the corpus when no tokenizer is given). A folder is read through the first of FOLDER_FILES it holds.
 """
 
+import re
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -36,6 +37,11 @@ class Tokenizer(Protocol):
     def files(self) -> dict[str, bytes]:
         """What checkpoints carry (and a resume reads back): {file name: the bytes read}."""
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the special tokens (Llama 3's `<|eot_id|>`, sentencepiece's control `<s>`): what a
+        chat template spells in a prompt (encode_with_special_tokens)."""
+
     def encode(self, text: str) -> list[int]:
         """The ids of `text` (no bos or eos; text spelling a special token stays text)."""
 
@@ -44,6 +50,20 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`."""
+
+
+def encode_with_special_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of `text` in which the text of a special token is that token (as a chat template writes
+    `<|start_header_id|>user<|end_header_id|>`), and the text between them is encoded as `encode` does;
+    the longest special text wins where one is a prefix of another."""
+    specials = tokenizer.special_tokens
+    if not specials:
+        return tokenizer.encode(text)
+    pattern = "|".join(re.escape(name) for name in sorted(specials, key=len, reverse=True))
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(f"({pattern})", text)):
+        ids += [specials[piece]] if i % 2 else (tokenizer.encode(piece) if piece else [])
+    return ids
 
 
 def tokenizer_file(path: Path) -> Path | None:

@@ -60,6 +60,11 @@ class HuggingFaceTokenizer:
         raise ConfigError(f"{self._where}: no {what} token ({' or '.join(map(str, names))}) in its "
                           f"vocabulary; name it as {what}_token in {CONFIG_FILE}")
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {token.content: token_id for token_id, token in self._tok.get_added_tokens_decoder().items()
+                if token.special}
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

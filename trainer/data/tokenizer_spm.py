@@ -77,6 +77,11 @@ class SentencePieceTokenizer:
     def unk_id(self) -> int:
         return self._sp.unk_id()
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The control pieces (<s>, </s>): sentencepiece itself encodes their text as text."""
+        return {self._sp.IdToPiece(i): i for i in range(self.vocab_size) if self._sp.IsControl(i)}
+
     def piece(self, token_id: int) -> str:
         """The text of a token (e.g. "<s>" for a bos)."""
         return self._sp.IdToPiece(token_id)

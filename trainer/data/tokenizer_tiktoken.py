@@ -56,6 +56,7 @@ class TiktokenTokenizer:
         self._enc = tiktoken.Encoding(name=self.path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                       special_tokens=specials)
         self.bos_id, self.eos_id = specials[LLAMA3_SPECIALS[0]], specials[LLAMA3_SPECIALS[1]]
+        self.special_tokens = specials
         self.vocab_size = len(ranks) + NUM_SPECIAL_TOKENS
         self.sha256 = hashlib.sha256(data).hexdigest()
 

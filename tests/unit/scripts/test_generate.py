@@ -22,10 +22,11 @@ from model.transformer import Transformer
 from scripts.generate import completion, generate_ids, main, prompt_ids
 from tests import REPO
 from tests.llama3_folder import ROPE, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
+from tests.source_kinds import train_small_tokenizer
 from trainer.checkpoint.files import save_checkpoint
 from trainer.checkpoint.model_folder import load_model
 from trainer.config.schema import from_dict
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.tokenizer import encode_with_special_tokens, load_tokenizer
 from trainer.outputs import CONFIG_FILE
 
 CPU, FP32 = torch.device("cpu"), torch.float32
@@ -139,3 +140,38 @@ def test_a_bad_path_or_option_is_one_error_line(tmp_path: Path, capsys) -> None:
         assert main([*argv, "--prompt", "x"]) == 2
         out, err = capsys.readouterr()
         assert not out and err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+
+
+CHAT = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_special_tokens_in_a_chat_prompt_are_the_tokens_transformers_reads(llama31) -> None:
+    """--special-tokens: a Llama 3 chat prompt gives transformers' ids for the folder's tokenizer.json and for
+    its tiktoken file alike, with one bos (the prompt's own); without it the text is text, as in training."""
+    folder = llama31[0]
+    expected = transformers.AutoTokenizer.from_pretrained(folder)(CHAT, add_special_tokens=False).input_ids
+    for tokenizer in (load_tokenizer(folder), load_tokenizer(folder / "ranks" / "tokenizer.model")):
+        ids = prompt_ids(tokenizer, CHAT, special_tokens=True)
+        assert ids == expected and ids.count(tokenizer.bos_id) == 1, tokenizer.kind
+        specials = set(tokenizer.special_tokens.values())
+        plain = prompt_ids(tokenizer, CHAT)
+        assert plain[0] == tokenizer.bos_id and not specials & set(plain[1:]), tokenizer.kind
+        assert prompt_ids(tokenizer, "x<|eot_id|>", special_tokens=True) == [
+            tokenizer.bos_id, *tokenizer.encode("x"), tokenizer.special_tokens["<|eot_id|>"]]
+
+
+def test_sentencepieces_control_pieces_are_its_special_tokens(tmp_path: Path) -> None:
+    tokenizer = train_small_tokenizer(tmp_path)
+    assert tokenizer.special_tokens == {"<s>": tokenizer.bos_id, "</s>": tokenizer.eos_id}
+    assert encode_with_special_tokens(tokenizer, "<s>def x</s>") == [tokenizer.bos_id, *tokenizer.encode("def x"),
+                                                                     tokenizer.eos_id]
+
+
+def test_the_command_notes_a_special_tokens_text_read_as_text(llama31, capsys) -> None:
+    folder = str(llama31[0])
+    assert main([folder, "--prompt", "x<|eot_id|>", "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().err == ("note: the prompt spells <|eot_id|>, read as text; --special-tokens reads it "
+                                       "as the token\n")
+    assert main([folder, "--prompt", "x<|eot_id|>", "--max-new-tokens", "1", "--special-tokens"]) == 0
+    assert capsys.readouterr().err == ""
