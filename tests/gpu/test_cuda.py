@@ -10,9 +10,8 @@ import torch
 from model.fp8 import Fp8Gemm, Fp8Recipe
 from parallel import weight_grads
 from tests.e2e.launch import train_ok
-from trainer.config.schema import OptimConfig
+from tests.unit.trainer.test_optim_flops import adamw_against_torch
 from trainer.observability.flops import device_peak_flops
-from trainer.optimizer import NamedAdamW, lr_at
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -120,23 +119,5 @@ def test_fused_gradient_accumulation_on_cuda_matches_autograd():
 
 def test_fused_adamw_on_cuda_is_torch_fused_adamw_bitwise():
     """optim.fused: torch._fused_adamw_ reads the step counts on the GPU (kept there, as torch.optim keeps
-    them for its fused kernel): the same bits as torch.optim.AdamW(fused=True) over steps with changing LR."""
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, fused=True)
-    gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Linear(64, 32).cuda()
-    theirs = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ours = NamedAdamW([model], cfg)
-    reference = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, fused=True)
-    for step in range(1, 6):
-        lr = lr_at(step, 5, cfg)
-        for p, q in zip(ours.params, theirs):
-            p.grad = torch.randn(p.shape, generator=gen).cuda()
-            q.grad = p.grad.clone()
-        ours.step(lr)
-        for group in reference.param_groups:
-            group["lr"] = lr
-        reference.step()
-        for p, q in zip(ours.params, theirs):
-            assert torch.equal(p.detach(), q.detach()), step
-    assert ours.updates() == 5
+    them for its fused kernel): the same bits as torch.optim.AdamW(fused=True)."""
+    adamw_against_torch(fused=True, device="cuda")

@@ -123,21 +123,20 @@ def test_tflops_compute_leaves_out_the_time_blocked_on_communication(monkeypatch
     assert m.mfu_compute == pytest.approx(m.mfu * 2.0 / 1.5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_adamw_is_torch_adamw_bitwise(fused: bool):
-    """Our in-tree AdamW against torch.optim.AdamW over steps with changing LR: its single-tensor path,
-    or with optim.fused its fused kernel."""
+def adamw_against_torch(fused: bool, device: str, steps: int = 7) -> None:
+    """Our in-tree AdamW against torch.optim.AdamW over `steps` steps with changing LR, bitwise: its
+    single-tensor path, or with optim.fused its fused kernel (tests/gpu runs this on CUDA too)."""
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, fused=fused)
     gen = torch.Generator().manual_seed(0)
-    ours_model = torch.nn.Linear(8, 4)
+    ours_model = torch.nn.Linear(8, 4).to(device)
     theirs = [p.detach().clone().requires_grad_() for p in ours_model.parameters()]
     ours = NamedAdamW([ours_model], cfg)
     reference = torch.optim.AdamW(theirs, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay, foreach=False, fused=fused or None)
-    for step in range(1, 8):
-        lr = lr_at(step, 7, cfg)
+    for step in range(1, steps + 1):
+        lr = lr_at(step, steps, cfg)
         for p, q in zip(ours.params, theirs):
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
             q.grad = p.grad.clone()
         ours.step(lr)
         for group in reference.param_groups:
@@ -147,7 +146,12 @@ def test_adamw_is_torch_adamw_bitwise(fused: bool):
             assert torch.equal(p.detach(), q.detach()), step
     state = ours.state()["weight"]
     assert torch.equal(state["exp_avg_sq"], reference.state[theirs[0]]["exp_avg_sq"])
-    assert state["step"].item() == 7.0 and ours.updates() == 7
+    assert state["step"].item() == steps and ours.updates() == steps
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_is_torch_adamw_bitwise(fused: bool):
+    adamw_against_torch(fused, "cpu")
 
 
 def test_the_fused_update_is_the_default_one_up_to_rounding_and_skips_parameters_without_gradients():
