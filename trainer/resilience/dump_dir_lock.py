@@ -8,9 +8,12 @@ see other processes, or none, under a pid), or whose heartbeat stopped (a holder
 died), or an earlier attempt of the same torchrun job (its restart, which may put rank 0 on another
 node, comes only after torchrun stopped every worker of that attempt), is stale and taken over.
 Anything else is a live job, and the newcomer is refused in one line naming it. A holder whose lock
-was taken over meanwhile (it was silent that long: suspended) stops at its next step. A lock that
-looks stale by the newcomer's clock is watched for a few heartbeats first: a live holder touches it
-meanwhile, whatever the clocks of its node, of the newcomer's and of the file server say.
+was taken over meanwhile (it was silent that long: suspended) stops at its next step. Whether a holder
+that is not a process of this host beats is seen by watching its lock, never by comparing its time stamp
+with this host's clock (its node's clock, or the file server's, may be far from ours either way): a lock
+that looks stale by our clock is watched for a few heartbeats (a live holder touches it meanwhile), one
+that looks fresh until it is touched (at most a heartbeat for a live holder) or until STALE_AFTER_S of
+silence (a holder that died, stamped by a clock ahead of ours).
 
 Only one newcomer at a time judges and removes a stale lock, inside `{dump_dir}/.lock.takeover` (also
 created exclusively): two newcomers that both found the lock stale would otherwise both remove it, the
@@ -37,6 +40,7 @@ STALE_AFTER_S = 30.0
 # A lock that looks stale by this host's clock is watched this long: a live holder touches it meanwhile
 # (its node's clock, or the file server's, may be far from ours).
 STALE_CONFIRM_S = 2.5 * HEARTBEAT_S
+WATCH_POLL_S = 0.1
 
 
 class DumpDirLock:
@@ -83,15 +87,16 @@ class DumpDirLock:
                 time.sleep(TAKEOVER_RETRY_S)
             return None
         try:
-            holder = self._holder()
+            holder = self._holder(guard)
             if holder is None:
                 self.path.unlink(missing_ok=True)
             return holder
         finally:
             guard.unlink(missing_ok=True)
 
-    def _holder(self) -> str | None:
-        """The live holder's description; None if the lock is stale."""
+    def _holder(self, guard: Path) -> str | None:
+        """The live holder's description; None if the lock is stale. `guard`: the takeover guard held
+        meanwhile (kept fresh while the lock is watched)."""
         try:
             mtime = self.path.stat().st_mtime
             owner = json.loads(self.path.read_text())
@@ -99,22 +104,30 @@ class DumpDirLock:
             return None
         except ValueError:  # being written right now: live unless it stays unreadable
             return None if time.time() - mtime > STALE_AFTER_S else "a job that is starting"
-        if time.time() - mtime > STALE_AFTER_S and not self._still_touched(mtime):
-            return None
         if owner.get("job") == self.owner["job"] and owner.get("attempt", self.owner["attempt"]) < self.owner["attempt"]:
             return None
-        same_pids = (owner.get("host"), owner.get("pids")) == (self.owner["host"], self.owner["pids"])
-        if same_pids and not _alive(int(owner.get("pid", -1))):
+        if (owner.get("host"), owner.get("pids")) == (self.owner["host"], self.owner["pids"]):
+            beats = _alive(int(owner.get("pid", -1)))  # a process of this host: asked directly
+        else:
+            looks_stale = time.time() - mtime > STALE_AFTER_S
+            beats = self._touched_within(mtime, STALE_CONFIRM_S if looks_stale else STALE_AFTER_S, guard)
+        if not beats:
             return None
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
         return f"job {owner.get('job')} (host {owner.get('host')}, pid {owner.get('pid')}, since {since})"
 
-    def _still_touched(self, mtime: float) -> bool:
-        time.sleep(STALE_CONFIRM_S)
-        try:
-            return self.path.stat().st_mtime != mtime
-        except FileNotFoundError:
-            return False
+    def _touched_within(self, mtime: float, seconds: float, guard: Path) -> bool:
+        """Whether the lock's time stamp changes within `seconds` (returns as soon as it does)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(WATCH_POLL_S)
+            try:
+                if self.path.stat().st_mtime != mtime:
+                    return True
+            except FileNotFoundError:
+                return False
+            os.utime(guard)  # a newcomer waiting on the guard sees a takeover in progress, not a dead one
+        return False
 
     def _beat(self) -> None:
         """Touch the lock while it is this job's; note when it stops being so (`lost`)."""
@@ -150,8 +163,8 @@ class DumpDirLock:
         self._stop.set()
         self._heartbeat.join()
         self._heartbeat = None
-        try:
-            if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
+        try:  # only this job's own lock: another job's may carry the same pid (another node, a container)
+            if self.lost is None and json.loads(self.path.read_text()) == self.owner:
                 self.path.unlink()
         except (FileNotFoundError, ValueError):
             pass

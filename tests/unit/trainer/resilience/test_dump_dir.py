@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -21,6 +22,24 @@ from trainer.resilience.dump_dir_lock import STALE_AFTER_S, DumpDirLock, _unwrit
 @pytest.fixture(autouse=True)
 def short_stale_watch(monkeypatch):
     monkeypatch.setattr(dump_dir, "STALE_CONFIRM_S", 0.3)
+
+
+@contextmanager
+def beating(lock):
+    """A holder on another node (or in another pid namespace) that is alive: its heartbeat touches the lock."""
+    stop = threading.Event()
+
+    def heartbeat():
+        while not stop.wait(0.05):
+            os.utime(lock)
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _dead_pid() -> int:
@@ -54,7 +73,8 @@ def test_a_lock_whose_holder_died_or_went_silent_is_taken_over(tmp_path):
     # The same host name in another pid namespace (a container on the host network): its pid means
     # nothing here, so only its heartbeat tells, and while it beats the job is live.
     lock.write_text(json.dumps({**owner, "pids": "another-boot pid:[1]", "pid": _dead_pid(), "job": "contained"}))
-    holder = DumpDirLock(tmp_path, "new").acquire()
+    with beating(lock):
+        holder = DumpDirLock(tmp_path, "new").acquire()
     assert holder is not None and "job contained" in holder
 
     lock.write_text(json.dumps({**owner, "host": "another-node", "pid": 1, "job": "silent"}))
@@ -103,8 +123,8 @@ def test_two_newcomers_never_both_take_over_one_stale_lock(tmp_path, monkeypatch
     b_verdict = b._holder
     results = {}
 
-    def b_judges_while_a_takes_over():
-        verdict = b_verdict()
+    def b_judges_while_a_takes_over(guard):
+        verdict = b_verdict(guard)
         results["a"] = a.acquire()
         return verdict
 
@@ -166,7 +186,8 @@ def test_a_restarted_attempt_of_the_same_job_takes_over_its_live_looking_lock(tm
     for job, attempt, taken in (("job-7", 1, True), ("job-7", 0, False), ("job-8", 1, False)):
         lock.write_text(json.dumps(earlier))
         taker = DumpDirLock(tmp_path, job, attempt)
-        holder = taker.acquire()
+        with beating(lock):
+            holder = taker.acquire()
         assert (holder is None) == taken, (job, attempt, holder)
         if taken:
             assert json.loads(lock.read_text())["attempt"] == 1
@@ -176,11 +197,35 @@ def test_a_restarted_attempt_of_the_same_job_takes_over_its_live_looking_lock(tm
 
 
 def test_release_leaves_another_jobs_lock_alone(tmp_path):
-    lock = DumpDirLock(tmp_path, "mine")
-    assert lock.acquire() is None
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "theirs", "since": 0}))
-    lock.release()
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == "theirs"
+    """Also one whose holder has this process's pid: a job on another node, or in another container."""
+    for pid in (1, os.getpid()):
+        lock = DumpDirLock(tmp_path, "mine")
+        assert lock.acquire() is None
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": pid, "job": "theirs", "since": 0}))
+        lock.release()
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == "theirs"
+        (tmp_path / LOCK_FILE).unlink()
+
+
+def test_a_dead_holder_stamped_by_a_clock_ahead_of_ours_is_taken_over(tmp_path, monkeypatch):
+    """The dead holder's node (or the file server) runs 10 minutes ahead: its last stamp looks fresh here
+    for that long. Watching the lock, not comparing clocks, finds it silent; a live one beats meanwhile."""
+    monkeypatch.setattr(dump_dir, "STALE_AFTER_S", 1.0)
+    lock = tmp_path / LOCK_FILE
+    ahead = time.time() + 600
+    for alive in (True, False):
+        lock.write_text(json.dumps({"host": "another-node", "pid": 1, "job": "ahead", "since": 0}))
+        os.utime(lock, (ahead, ahead))
+        taker = DumpDirLock(tmp_path, "new")
+        start = time.monotonic()
+        if alive:
+            with beating(lock):
+                holder = taker.acquire()
+            assert holder is not None and "job ahead (host another-node" in holder
+        else:
+            assert taker.acquire() is None and time.monotonic() - start >= 1.0
+            assert json.loads(lock.read_text())["job"] == "new"
+            taker.release()
 
 
 def test_unwritable_dump_dir_is_found_before_any_work(tmp_path):
