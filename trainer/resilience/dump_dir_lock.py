@@ -132,15 +132,7 @@ class DumpDirLock:
     def _beat(self) -> None:
         """Touch the lock while it is this job's; note when it stops being so (`lost`)."""
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                holder = json.loads(self.path.read_text())
-            except FileNotFoundError:
-                holder = None
-            except ValueError:
-                continue  # a newcomer is writing its own: judged at the next beat
-            if holder != self.owner:
-                self.lost = "removed" if holder is None else f"taken over by job {holder.get('job')} " \
-                    f"(host {holder.get('host')}, pid {holder.get('pid')})"
+            if self._lost_now():
                 return
             try:
                 os.utime(self.path)
@@ -148,10 +140,26 @@ class DumpDirLock:
                 self.lost = "removed"
                 return
 
+    def _lost_now(self) -> bool:
+        """Read the lock: if it is no longer this job's, note how (`lost`) and say so."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            holder = None
+        except ValueError:
+            return False  # a newcomer is writing its own: judged at the next look
+        if holder != self.owner:
+            self.lost = "removed" if holder is None else f"taken over by job {holder.get('job')} " \
+                f"(host {holder.get('host')}, pid {holder.get('pid')})"
+        return self.lost is not None
+
     def check_owned(self) -> None:
         """Raise if the lock stopped being this job's: its heartbeat was silent past STALE_AFTER_S (the
         job suspended, its node's filesystem stalled) and another job took the dump_dir over, or the
-        lock file was removed. Writing on would mix two jobs' outputs."""
+        lock file was removed. Writing on would mix two jobs' outputs. The lock is read here too: a job
+        resumed from a suspension can reach its next step before its heartbeat thread looks."""
+        if self.lost is None and self._heartbeat is not None:
+            self._lost_now()
         if self.lost is not None:
             raise ConfigError(f"dump_dir={self.path.parent}: its lock was {self.lost} while this job ran; stopping "
                               f"before writing into it again (a lock silent for {STALE_AFTER_S:.0f} s counts as a "

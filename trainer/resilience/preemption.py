@@ -49,11 +49,12 @@ class StopRequest:
 
     def __init__(self, name: str | None):
         """`name`: a signal name without the SIG prefix (USR1), or None for no handler."""
-        self.name = name
+        self.name, self.received = name, False
         stop_signal = signal.Signals[f"SIG{name}"] if name is not None else None
         if stop_signal is not None:
             signal.signal(stop_signal, self._note)
-        self.received = early_signals.release(stop_signal)  # a signal during imports counts too
+        # A signal during imports counts too; one the new handler noted meanwhile is kept (Slurm warns once).
+        self.received = early_signals.release(stop_signal) or self.received
 
     def _note(self, signum: int, frame: object) -> None:
         self.received = True

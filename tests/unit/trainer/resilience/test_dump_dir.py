@@ -259,3 +259,17 @@ def test_a_folder_where_the_job_writes_a_file_is_refused_up_front(tmp_path, name
     (tmp_path / name).mkdir()
     assert _unwritable(tmp_path, {}) == (
         f"dump_dir={tmp_path} has a folder named {name}, where the job writes a file; move it away")
+
+
+def test_a_step_after_a_suspension_finds_the_takeover_before_the_heartbeat_does(tmp_path, monkeypatch):
+    """Resumed from SIGSTOP, the main thread may reach its next step before the heartbeat thread looks at the
+    lock: check_owned reads it itself."""
+    monkeypatch.setattr(dump_dir, "HEARTBEAT_S", 3600.0)  # the heartbeat thread never looks here
+    lock = DumpDirLock(tmp_path, "sleeper")
+    assert lock.acquire() is None
+    lock.check_owned()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 7, "job": "newcomer", "since": 0}))
+    with pytest.raises(ConfigError, match=r"its lock was taken over by job newcomer \(host elsewhere, pid 7\)"):
+        lock.check_owned()
+    lock.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == "newcomer"
