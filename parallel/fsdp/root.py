@@ -26,6 +26,8 @@ class FSDPRoot:
         """Call before the forward AND before the backward of each microbatch: a pipeline schedule
         may run another microbatch's forward in between, and both passes read these flags."""
         for unit in self.units:
+            if is_first:
+                _refuse_gradients_of_an_unfinished_step(unit)
             unit.set_microbatch(is_first, is_last)
 
     def clear_microbatch(self) -> None:
@@ -74,6 +76,15 @@ def _refuse_unreduced_gradients(unit: FSDPUnit) -> None:
             f"FSDP unit {unit.name} got gradients on earlier microbatches of the step but did not run with grad on "
             f"its last one, where the step's gradient is reduced: it would be left out of this step and added into "
             f"the next; run every unit on the step's last microbatch")
+
+
+def _refuse_gradients_of_an_unfinished_step(unit: FSDPUnit) -> None:
+    """A step's first microbatch finds no gradient accumulated: one left by a step that raised after some
+    backward passes (before finish_gradient_sync) would be reduced into this step's gradient."""
+    if unit.grad_accumulator is not None or unit.shard_grad_sum is not None:
+        raise RuntimeError(f"FSDP unit {unit.name} holds gradients of a step that did not finish (it raised after "
+                           "some microbatches' backward): they would be added into this step's; restore the model "
+                           "and optimizer from a checkpoint before stepping again")
 
 
 def fully_shard(

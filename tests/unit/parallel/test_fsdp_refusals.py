@@ -53,3 +53,27 @@ def test_a_unit_left_unsharded_regathers_a_shard_changed_in_place(world, reshard
         root.reshard()
         regathered = model(x)
     assert not torch.equal(before, after) and torch.equal(after, regathered)
+
+
+@pytest.mark.parametrize("grad_reduce", ["last_microbatch", "per_microbatch"])
+def test_gradients_of_a_step_that_raised_midway_are_refused_at_the_next_step(world, grad_reduce):
+    """A step that raises after its first microbatch's backward leaves that gradient in the units'
+    accumulators (or their per-step shard sums); the next step would silently reduce it with its own."""
+    model = TwoLinears()
+    root = fully_shard(model, ["a", "b"], world, None, FSDPConfig(grad_reduce=grad_reduce))
+    x = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(0))
+
+    def microbatch(i: int, last: int) -> None:
+        root.set_microbatch(is_first=i == 0, is_last=i == last)
+        model.b(model.a(x[i])).pow(2).sum().backward()
+
+    microbatch(0, last=2)  # the step raises here, before microbatch 1
+    with pytest.raises(RuntimeError, match=r"^FSDP unit a holds gradients of a step that did not finish"):
+        microbatch(0, last=2)
+    for unit in root.units:  # what a clean step leaves: nothing to refuse
+        unit.grad_accumulator = unit.shard_grad_sum = None
+    for i in range(3):
+        microbatch(i, last=2)
+    root.finish_gradient_sync()
+    microbatch(0, last=0)
+    root.finish_gradient_sync()
