@@ -20,10 +20,12 @@ from tests import REPO
 
 
 def _cases():
-    for pp, vpp in itertools.product((1, 2, 4), (1, 2, 3)):
+    """Every schedule on pp 1-5 and 8 (odd pp: the wrap-around link's own channel), 1-4 chunks per rank, and
+    microbatch counts from 1 (fewer than pp) up: to 3pp, and past 2pp for pp 8."""
+    for pp, vpp in itertools.product((1, 2, 3, 4, 5, 8), (1, 2, 3, 4)):
         for schedule in S.SCHEDULES:
             if (schedule in ("interleaved_1f1b", "zbv")) == (vpp > 1) and (schedule != "zbv" or vpp == 2):
-                for m in range(1, 3 * pp + 1):
+                for m in range(1, (2 * pp + 2 if pp == 8 else 3 * pp) + 1):
                     yield schedule, pp, vpp, m
 
 
