@@ -152,6 +152,9 @@ def choose_tokenizer(data_tokenizer: str | None, init_from_hf: str | None, resum
                                f"data: tokenizer {kept}, the copy in the resumed checkpoint of checkpoint.init_from_hf's",
                                "the resumed checkpoint's copy of checkpoint.init_from_hf's tokenizer")
     folder = Path(init_from_hf).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"checkpoint.init_from_hf={init_from_hf} is a file: name the Hugging Face model folder "
+                          "(config.json, safetensors, tokenizer files)")
     shipped = tokenizer_file(folder) if folder.is_dir() else None
     if data_tokenizer is None and shipped is None:
         raise ConfigError(f"checkpoint.init_from_hf={init_from_hf} has no {' or '.join(FOLDER_FILES)}: set "

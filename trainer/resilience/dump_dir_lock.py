@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
+from trainer.checkpoint.files import MANIFEST
 from trainer.outputs import JOB_FILES, LOCK_FILE, TAKEOVER_FILE, write_problem
 
 TAKEOVER_RETRY_S = 0.1
@@ -229,6 +230,11 @@ def own_dump_dir(dump_dir: Path, folders: dict[str, str], rank: int, job: str, a
 
 def _unwritable(dump_dir: Path, folders: dict[str, str]) -> str | None:
     """Why the job could not write its outputs (None if it can), found before any work is done."""
+    checkpoint = next((folder for folder in (dump_dir, *dump_dir.resolve().parents) if (folder / MANIFEST).is_file()),
+                      None)
+    if checkpoint is not None:
+        return (f"dump_dir={dump_dir} is inside the checkpoint {checkpoint} (it holds {MANIFEST}): the job's outputs "
+                "would change that checkpoint's files, which its manifest vouches for; use another dump_dir")
     problem = write_problem(dump_dir)
     if problem is not None:
         return f"dump_dir={dump_dir} {problem}"

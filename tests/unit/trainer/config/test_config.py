@@ -151,6 +151,15 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["comm_timeout_s=0.001"], 1, "comm_timeout_s=0.001 must be in [1, 604800] seconds"),
         (["model.vocab_size=100000000000"], 1, "model.vocab_size=100000000000 must be <= 2147483647"),
         (["optim.lr=1e308"], 1, "optim.lr=1e+308 must be <= 3.403e+38 (it is used in fp32)"),
+        (["model.norm_eps=1e39"], 1, "model.norm_eps=1e+39 must be <= 3.403e+38 (it is used in fp32)"),
+        (["model.rope_theta=1e300"], 1, "model.rope_theta=1e+300 must be <= 3.403e+38 (it is used in fp32)"),
+        (["optim.lr=3e-3", "optim.weight_decay=1000"], 1,
+         "optim.lr x optim.weight_decay = 3 must be < 1: each step multiplies the weights by 1 - lr x weight_decay"),
+        (["model.use_fp8=true", "model.fp8_margin=1000"], 1, "model.fp8_margin=1000 must be <= 16: the scale keeps"),
+        (["model.use_fp8=true", "model.fp8_amax_history_len=1000000000"], 1,
+         "model.fp8_amax_history_len=1000000000 must be <= 65536"),
+        (["data.max_bad_fraction=0.5"], 1,
+         "data.max_bad_fraction=0.5 needs data.bad_records=skip (with error the first bad record stops the run)"),
         (["checkpoint.init_from_hf="], 1, "checkpoint.init_from_hf is an empty string (use null to leave it unset)"),
         (["model.name="], 1, "model.name is an empty string (it needs a value)"),
         (["resume.allow_changed=[model_parallel_size]"], 1,
@@ -380,3 +389,12 @@ def test_te_layers_need_transformer_engine_2(monkeypatch, request, version, acce
     else:
         with pytest.raises(ConfigError, match="needs TransformerEngine 2.0 or later .* the installed one is 1.12.0"):
             validate(cfg, world_size=1)
+
+
+def test_an_init_from_hf_that_is_a_file_is_named_as_such(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    with pytest.raises(ConfigError) as err:
+        validate(load(f"checkpoint.init_from_hf={weights}"), world_size=1)
+    assert str(err.value) == (f"checkpoint.init_from_hf={weights} is a file: name the Hugging Face model folder "
+                              "(config.json, safetensors, tokenizer files)")

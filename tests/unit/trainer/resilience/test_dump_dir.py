@@ -273,3 +273,17 @@ def test_a_step_after_a_suspension_finds_the_takeover_before_the_heartbeat_does(
         lock.check_owned()
     lock.release()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["job"] == "newcomer"
+
+
+def test_a_dump_dir_in_a_checkpoint_folder_is_refused_before_it_changes_the_checkpoint(tmp_path):
+    """Its train_config.json and job files would overwrite or join the checkpoint's, which its manifest's
+    checksums vouch for: the checkpoint would no longer load."""
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    for dump in (step, step / "sub" / "run"):
+        problem = _unwritable(dump, {})
+        assert problem == (f"dump_dir={dump} is inside the checkpoint {step} (it holds manifest.json): the job's "
+                           "outputs would change that checkpoint's files, which its manifest vouches for; use another "
+                           "dump_dir")
+    assert _unwritable(tmp_path / "run", {}) is None and _unwritable(tmp_path / "run" / "checkpoints", {}) is None
