@@ -274,8 +274,10 @@ def _file_problem(path: Path, name: str, entry: dict, checksum: bool) -> str | N
     file = path / name
     if not file.is_file():
         return f"checkpoint {path} is missing {name}"
-    if file.stat().st_size != entry["size"]:
-        return f"checkpoint {path} is truncated: {name} has {file.stat().st_size} bytes, expected {entry['size']}"
+    size = file.stat().st_size
+    if size != entry["size"]:
+        how = "truncated" if size < entry["size"] else "changed since it was saved"
+        return f"checkpoint {path} is {how}: {name} has {size} bytes, expected {entry['size']}"
     if checksum and _sha256(file) != entry["sha256"]:
         return f"checkpoint {path} is corrupt: {name} fails its sha256 check"
     return None

@@ -237,3 +237,12 @@ def test_a_tensor_whose_saved_boxes_leave_a_gap_is_refused(tmp_path, world):
                                               r"as 6 of its 12 elements \(no rank wrote the rest\)$"):
         load_checkpoint(path, target, world)
     assert not target["model"]["w"].any()
+
+
+def test_a_file_of_the_wrong_size_is_named_truncated_or_changed(tmp_path, world):
+    path = save_checkpoint(tmp_path, 1, state(1), world, rank=0, extra_files={"notes.txt": b"saved"})
+    for text, how in (("sav", "is truncated: notes.txt has 3 bytes, expected 5"),
+                      ("saved, then edited", "is changed since it was saved: notes.txt has 18 bytes, expected 5")):
+        (path / "notes.txt").write_text(text)
+        with pytest.raises(CheckpointError, match=f"^checkpoint {path} {how}$"):
+            verify_checkpoint(path, world, rank=0, world=1, checksums=False)
