@@ -131,8 +131,8 @@ def test_divergence_stops_with_one_line(tmp_path):
     """A non-finite gradient norm stops every rank before the update, the workers exit 3 (divergence: a
     restart would diverge again); the metrics file stays valid JSON."""
     dump = tmp_path / "dump"
-    proc = train(2, dump, *FAST, "steps=3", "optim.lr=1e30", "optim.warmup_steps=0", "log_all_steps=true",
-                 timeout=120)
+    proc = train(2, dump, *FAST, "steps=3", "optim.lr=1e30", "optim.weight_decay=0", "optim.warmup_steps=0",
+                 "log_all_steps=true", timeout=120)
     assert_one_error(proc, "step 2: loss", "gradient norm nan", "first non-finite gradient is in unit tok_embeddings")
     assert "exitcode  : 3 " in proc.stderr, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(dump)] == [1]
