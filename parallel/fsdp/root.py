@@ -1,8 +1,9 @@
 """Shard a model into FSDP units and drive them per microbatch and per step.
 
 The caller (the step loop, or the pipeline runtime for each stage) names the units in forward order,
-tells the root `is_first_microbatch` / `is_last_microbatch` before each microbatch, and calls
-`finish_gradient_sync` once after the last microbatch's backward. Every unit that got gradients in a
+calls `begin_step` before a step's first forward, tells the root `is_first_microbatch` /
+`is_last_microbatch` before each microbatch, and calls `finish_gradient_sync` once after the last
+microbatch's backward. Every unit that got gradients in a
 step must run with grad on the step's last microbatch, where its gradient is reduced.
 """
 
@@ -26,9 +27,13 @@ class FSDPRoot:
         """Call before the forward AND before the backward of each microbatch: a pipeline schedule
         may run another microbatch's forward in between, and both passes read these flags."""
         for unit in self.units:
-            if is_first:
-                _refuse_gradients_of_an_unfinished_step(unit)
             unit.set_microbatch(is_first, is_last)
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: no unit may hold gradients yet (main_grad units bind their
+        accumulator at that forward, so the first microbatch's marks come too late to tell)."""
+        for unit in self.units:
+            _refuse_gradients_of_an_unfinished_step(unit)
 
     def clear_microbatch(self) -> None:
         """Back to unmarked once the scheduler's step (or evaluation) is over, as before the first:
@@ -79,8 +84,8 @@ def _refuse_unreduced_gradients(unit: FSDPUnit) -> None:
 
 
 def _refuse_gradients_of_an_unfinished_step(unit: FSDPUnit) -> None:
-    """A step's first microbatch finds no gradient accumulated: one left by a step that raised after some
-    backward passes (before finish_gradient_sync) would be reduced into this step's gradient."""
+    """A step starts with no gradient accumulated: one left by a step that raised after some backward
+    passes (before finish_gradient_sync) would be reduced into this step's gradient."""
     if unit.grad_accumulator is not None or unit.shard_grad_sum is not None:
         raise RuntimeError(f"FSDP unit {unit.name} holds gradients of a step that did not finish (it raised after "
                            "some microbatches' backward): they would be added into this step's; restore the model "

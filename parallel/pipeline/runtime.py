@@ -111,6 +111,8 @@ class PipelineRuntime:
 
     def run_step(self, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs = _no_kwargs) -> None:
         """Run every forward and backward of the step; gradients are left in the FSDP units."""
+        for root in self.roots:
+            root.begin_step()
         self._run(self.steps, inputs, loss, chunk_kwargs, keep_for_backward=True)
 
     def run_forward(self, inputs: Inputs, loss: Loss, chunk_kwargs: ChunkKwargs = _no_kwargs) -> None:

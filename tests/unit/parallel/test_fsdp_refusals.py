@@ -64,6 +64,8 @@ def test_gradients_of_a_step_that_raised_midway_are_refused_at_the_next_step(wor
     x = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(0))
 
     def microbatch(i: int, last: int) -> None:
+        if i == 0:
+            root.begin_step()
         root.set_microbatch(is_first=i == 0, is_last=i == last)
         model.b(model.a(x[i])).pow(2).sum().backward()
 
