@@ -60,9 +60,23 @@ def _no_kwargs(microbatch: int) -> dict[str, torch.Tensor]:
     return {}
 
 
+class PlainChunkRoot:
+    """The root of a chunk of plain modules, without FSDP units (a benchmark's, a test's): what the runtime
+    tells a chunk's root is nothing to it."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def set_microbatch(self, is_first: bool | None, is_last: bool) -> None:
+        pass
+
+    def clear_microbatch(self) -> None:
+        pass
+
+
 class PipelineRuntime:
     def __init__(
-        self, program: list[Action], pp: int, chunks: list[nn.Module], roots: list[FSDPRoot],
+        self, program: list[Action], pp: int, chunks: list[nn.Module], roots: list[FSDPRoot | PlainChunkRoot],
         group: ProcessGroup | None, activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
         channels: list[ProcessGroup] | None = None, v_shape: bool = False,
     ):

@@ -61,7 +61,7 @@ from parallel import comm, weight_grads  # noqa: E402
 from parallel.fsdp.flat_param import unflatten  # noqa: E402
 from parallel.mesh import ParallelMesh  # noqa: E402
 from parallel.pipeline.channels import channel_count  # noqa: E402
-from parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
+from parallel.pipeline.runtime import PipelineRuntime, PlainChunkRoot  # noqa: E402
 from parallel.pipeline.layers import rank_stages  # noqa: E402
 from parallel.pipeline.schedule import Action, pipeline_actions, splits_backward  # noqa: E402
 from parallel.pipeline.simulate import CostFn, simulate  # noqa: E402
@@ -136,16 +136,6 @@ class GradSinks:
         return sum(sink.calls for sink in self.sinks)
 
 
-class _NoMarks:
-    """Plain modules take no microbatch marks."""
-
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
-        pass
-
-    def clear_microbatch(self) -> None:
-        pass
-
-
 class Units:
     """The trainer's step path: FSDP units in a shard group of one rank."""
 
@@ -177,7 +167,7 @@ class Ours:
         self.sinks = GradSinks(self.chunks, fused) if fused or splits_backward(cfg.pipeline_schedule) else None
         self.data = RandomTokens(self.m, cfg.seq_len, cfg.model.vocab_size)
         program = list(pipeline_actions(cfg.pipeline_schedule, pp, vpp, self.m)[rank])
-        self.runtime = PipelineRuntime(program, pp, self.chunks, [_NoMarks()] * vpp, mesh.group("pp"),
+        self.runtime = PipelineRuntime(program, pp, self.chunks, [PlainChunkRoot()] * vpp, mesh.group("pp"),
                                        (1, cfg.seq_len, cfg.model.dim), torch.float32, torch.device("cpu"),
                                        mesh.pipeline_channels(channel_count(pp, vpp)), cfg.pipeline_v_shape)
 

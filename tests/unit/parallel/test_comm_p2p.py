@@ -27,22 +27,12 @@ def test_a_coalesced_batch_gives_every_operation_its_work(coalescing_backend):
     assert works == [coalescing_backend] * 3
 
 
-class _Root:
-    """What the runtime tells a chunk's FSDP root, ignored."""
-
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
-        pass
-
-    def clear_microbatch(self) -> None:
-        pass
-
-
 def _runtime(schedule: str, pp: int, vpp: int, m: int, rank: int, chunk=None):
-    from parallel.pipeline.runtime import PipelineRuntime
+    from parallel.pipeline.runtime import PipelineRuntime, PlainChunkRoot
     from parallel.pipeline.schedule import schedule_actions
 
     chunks = [chunk or torch.nn.Linear(4, 4) for _ in range(vpp)]
-    return PipelineRuntime(schedule_actions(schedule, pp, vpp, m, rank), pp, chunks, [_Root()] * vpp,
+    return PipelineRuntime(schedule_actions(schedule, pp, vpp, m, rank), pp, chunks, [PlainChunkRoot()] * vpp,
                            comm.dist.group.WORLD, (2, 4), torch.float32, torch.device("cpu"))
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from parallel import comm
 from parallel.pipeline.channels import channel_count, split_batch
-from parallel.pipeline.runtime import PipelineRuntime
+from parallel.pipeline.runtime import PipelineRuntime, PlainChunkRoot
 from parallel.pipeline.schedule import (
     batched, forward_only, pipeline_actions, schedule_actions, transfer_key, v_shaped,
 )
@@ -88,7 +88,7 @@ def test_the_runtime_posts_sends_and_receives_in_calls_of_their_own(world, monke
         for rank in range(pp):
             program = schedule_actions(schedule, pp, vpp, 2 * pp, rank)
             runtime = PipelineRuntime(program, pp, [torch.nn.Linear(4, 4) for _ in range(vpp)],
-                                      [_Root()] * vpp, channels[0], (2, 4), torch.float32, torch.device("cpu"),
+                                      [PlainChunkRoot()] * vpp, channels[0], (2, 4), torch.float32, torch.device("cpu"),
                                       channels, v_shaped(schedule))
             runtime.receives_ahead = receives_ahead
             log.clear(), posted.clear()
@@ -120,12 +120,12 @@ def test_the_runtime_on_cuda_refuses_fewer_channels_and_does_not_receive_ahead(w
     its data depends on."""
     program = schedule_actions("1f1b", 2, 1, 4, 0)
     with pytest.raises(ValueError, match=rf"pipeline runtime on CUDA needs {channel_count(2, 1)} channels .* got 1"):
-        PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], dist.group.WORLD, (2, 4), torch.float32,
+        PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [PlainChunkRoot()], dist.group.WORLD, (2, 4), torch.float32,
                         torch.device("cuda"))
     channels = [dist.group.WORLD] * channel_count(2, 1)
-    cuda = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], channels[0], (2, 4), torch.float32,
+    cuda = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [PlainChunkRoot()], channels[0], (2, 4), torch.float32,
                            torch.device("cuda"), channels)
-    cpu = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [_Root()], channels[0], (2, 4), torch.float32,
+    cpu = PipelineRuntime(program, 2, [torch.nn.Linear(4, 4)], [PlainChunkRoot()], channels[0], (2, 4), torch.float32,
                           torch.device("cpu"), channels)
     assert not cuda.receives_ahead and cpu.receives_ahead
 
@@ -140,11 +140,3 @@ def _one_kind(batch, sends: bool, pp: int, vpp: int, channels: int):
 
 def _transfer_steps(program):
     return [step for step in batched(list(program)) if not step[0].is_compute]
-
-
-class _Root:
-    def set_microbatch(self, is_first: bool, is_last: bool) -> None:
-        pass
-
-    def clear_microbatch(self) -> None:
-        pass
