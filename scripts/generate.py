@@ -39,8 +39,8 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, special_tokens: bool = False) 
     `special_tokens`, the text of a special token is that token (a chat template's `<|eot_id|>`), and a
     prompt that spells its own bos first gets no second one."""
     ids = encode_with_special_tokens(tokenizer, prompt) if special_tokens else tokenizer.encode(prompt)
-    starts = tokenizer.adds_bos and ids[:1] != [tokenizer.bos_id] if special_tokens else tokenizer.adds_bos
-    return ([tokenizer.bos_id] if starts else []) + ids
+    # Only a special token's text can give the bos id (encode reads it as text).
+    return ([tokenizer.bos_id] if tokenizer.adds_bos and ids[:1] != [tokenizer.bos_id] else []) + ids
 
 
 def spelled_special_token(tokenizer: Tokenizer, prompt: str) -> str | None:

@@ -39,6 +39,7 @@ STOP_SIGNALS = ("USR1", "USR2", "HUP")
 # gigabytes on it before the data could say it has too few sequences (pp 8 x 4 chunks x 16384
 # microbatches: 30 s and 0.9 GB per rank).
 MAX_MICROBATCHES = 16384
+MAX_SCHEDULED_FORWARDS = 65536
 
 
 def check_ranges(cfg: TrainConfig) -> None:

@@ -19,7 +19,7 @@ from trainer.checkpoint.hf_folder import check_hf_folder, check_token_ids, check
 from trainer.checkpoint.resume import resumed_checkpoint
 from trainer.config.data_sources import check_sources
 from trainer.config.fp8_rules import check_te_sequence_parallel
-from trainer.config.ranges import check_ranges
+from trainer.config.ranges import MAX_SCHEDULED_FORWARDS, check_ranges
 from trainer.config.te_rules import check_te_combinations, check_transformer_engine
 from trainer.config.schema import ENUMS, NOT_SUPPORTED_YET, ModelConfig, TrainConfig, as_written, get_key, setting
 from trainer.data.tokenizer import choose_tokenizer, load_tokenizer
@@ -27,8 +27,6 @@ from trainer.observability.wandb_run import check_wandb_installed
 
 FP8_KEYS = tuple(f"model.{f.name}" for f in fields(ModelConfig) if f.name.startswith("fp8_"))
 _DEFAULTS = TrainConfig()
-# Forwards per step over all pipeline chunks: every rank lists every rank's actions (ranges.MAX_MICROBATCHES).
-MAX_SCHEDULED_FORWARDS = 65536
 
 
 def _check_schedule_size(cfg: TrainConfig) -> None:

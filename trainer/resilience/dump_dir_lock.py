@@ -230,8 +230,8 @@ def own_dump_dir(dump_dir: Path, folders: dict[str, str], rank: int, job: str, a
 
 def _unwritable(dump_dir: Path, folders: dict[str, str]) -> str | None:
     """Why the job could not write its outputs (None if it can), found before any work is done."""
-    checkpoint = next((folder for folder in (dump_dir, *dump_dir.resolve().parents) if (folder / MANIFEST).is_file()),
-                      None)
+    resolved = dump_dir.resolve()
+    checkpoint = next((folder for folder in (resolved, *resolved.parents) if (folder / MANIFEST).is_file()), None)
     if checkpoint is not None:
         return (f"dump_dir={dump_dir} is inside the checkpoint {checkpoint} (it holds {MANIFEST}): the job's outputs "
                 "would change that checkpoint's files, which its manifest vouches for; use another dump_dir")
