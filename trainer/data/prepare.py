@@ -15,7 +15,8 @@ from trainer.data.cache import CachePaths, cache_key, marking_errors, wait_for_m
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.records import RecordFormat, check_skipped
 from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
-from trainer.data.sources import KINDS, SOURCE_CHANGED, list_source, source_kind, sources_fingerprint
+from trainer.data.sources import (KINDS, SOURCE_CHANGED, list_source, reads_keyed_records, source_kind,
+                                  sources_fingerprint)
 from trainer.data.tokenizer import Tokenizer, load_given_tokenizer, missing_tokenizer
 from trainer.data.tokenizer_spm import SentencePieceTokenizer, check_trainable_vocab_size, train_tokenizer
 from trainer.outputs import write_problem
@@ -57,7 +58,7 @@ def prepare_dataset(
         _check_tokenized_sources(files)
     given = load_given_tokenizer(tokenizer_path, vocab_size, tokenizer_key, padding, tokenizer_origin)
     sources = sources_fingerprint(files)
-    key = cache_key(sources, vocab_size, given, fmt.text_key)
+    key = cache_key(sources, vocab_size, given, fmt.text_key if reads_keyed_records(files) else "text")
     agree(key)
     paths = CachePaths(Path(cache_dir), key)
     if paths.complete(given is not None):  # nothing is written: a complete cache may be on a read-only mount

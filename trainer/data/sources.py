@@ -173,6 +173,12 @@ def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     return once, links
 
 
+def reads_keyed_records(files: list[Path]) -> bool:
+    """Whether any of `files` reads its documents by data.text_key (JSON lines and tables do; plain text
+    and Megatron datasets do not, so the key cannot change what they pack)."""
+    return any(source_kind(path) in ("jsonl", "parquet", "hf_dataset") for path in files)
+
+
 def is_json_lines(path: Path) -> bool:
     """Whether `path` holds one JSON record a line (compressed or not), rather than one document."""
     return path.name.lower().endswith(JSON_LINES_SUFFIXES)

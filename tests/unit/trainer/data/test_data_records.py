@@ -39,6 +39,9 @@ def test_a_text_key_packs_the_same_tokens_as_text_files(tmp_path: Path, tokenize
     lines = tmp_path / "docs.jsonl"
     lines.write_bytes(_jsonl([{"id": i, "content": doc} for i, doc in enumerate(DOCUMENTS)]))
     expected = _pack(texts, tokenizer, tmp_path / "cache")
+    logs: list[str] = []
+    assert _pack(texts, tokenizer, tmp_path / "cache", logs, text_key="content") == expected
+    assert [line for line in logs if line.startswith("data: cached")], logs  # text files read no key: no repack
     assert _pack(lines, tokenizer, tmp_path / "cache", text_key="content") == expected
     with pytest.raises(ConfigError, match=r'docs\.jsonl:1 has no string "text" field \(its keys: id, content\)$'):
         _pack(lines, tokenizer, tmp_path / "cache")  # the default key is another cache: not reused
