@@ -22,6 +22,7 @@ from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from parallel.errors import ConfigError  # noqa: E402
@@ -32,6 +33,7 @@ from trainer.config.hf_model import fill_hf_model  # noqa: E402
 from trainer.config.rules import validate  # noqa: E402
 from trainer.config.schema import TrainConfig, from_dict  # noqa: E402
 from trainer.data.build import Data, build_data  # noqa: E402
+from trainer.data.loader import document_starts  # noqa: E402
 from trainer.data.tokenizer import Tokenizer  # noqa: E402
 
 BOS_MARK, EOS_MARK, NEWLINE_MARK, CLIPPED_MARK = "⟨bos⟩", "⟨eos⟩", "↵", "…"
@@ -49,7 +51,7 @@ class Sequence:
 @dataclass
 class Stats:
     tokens: Counter = field(default_factory=Counter)  # per source
-    documents: Counter = field(default_factory=Counter)  # per source, a document counted at its bos
+    documents: Counter = field(default_factory=Counter)  # per source, a document counted where it starts (its bos)
     documents_per_sequence: list[int] = field(default_factory=list)
     bos: int = 0
     eos: int = 0
@@ -76,11 +78,11 @@ def inspected(cfg: TrainConfig, data: Data, steps: int) -> list[Sequence]:
 def gather(sequences: list[Sequence], bos_id: int, eos_id: int) -> Stats:
     stats = Stats()
     for seq in sequences:
-        starts = int(np.count_nonzero(seq.ids == bos_id))
+        starts = int(document_starts(torch.from_numpy(seq.ids)[None], bos_id, eos_id).sum())
         stats.tokens[seq.source] += len(seq.ids)
         stats.documents[seq.source] += starts
         stats.documents_per_sequence.append(starts)
-        stats.bos += starts
+        stats.bos += int(np.count_nonzero(seq.ids == bos_id))
         stats.eos += int(np.count_nonzero(seq.ids == eos_id))
     return stats
 

@@ -47,7 +47,8 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, rank: int, log: Cal
     fingerprint = blend_fingerprint([part.fingerprint() for part in tokens.parts], order.weights)
 
     def loader(batches: GlobalBatchSampler | HeldOutSampler) -> BatchLoader:
-        return BatchLoader(tokens, batches, cfg.seq_len, dp_rank, dp_size, cfg.microbatch_size, tokenizer.bos_id)
+        return BatchLoader(tokens, batches, cfg.seq_len, dp_rank, dp_size, cfg.microbatch_size, tokenizer.bos_id,
+                           tokenizer.eos_id)
 
     if not cfg.eval.freq:
         return Data(tokenizer, loader(sampler), None, fingerprint)

@@ -59,10 +59,21 @@ def test_a_packed_document_gets_the_logits_it_gets_alone_and_plain_causal_does_n
     assert (plain[:, last_start:] - packed[:, last_start:]).abs().max() > 1e-2  # the mask is not a no-op
 
 
-def test_document_ids_start_at_each_bos_of_the_packed_tokens():
+EOS = 2
+
+
+@pytest.mark.parametrize("window, eos, expected", [
+    # the packer's `bos doc eos` runs; a window opening inside a document, a bos inside one (Megatron data
+    # split into sentences by a tokenizer adding a bos to each), a one-token document
+    ([7, EOS, BOS, 9, EOS, BOS, 5, BOS, 6, EOS, BOS, 3, EOS], EOS, [0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3]),
+    # bos and eos one token: the eos closing a document is not one of its own
+    ([7, BOS, BOS, 9, 8, BOS, BOS, 5, BOS, BOS, 6], BOS, [0, 0, 1, 1, 1, 1, 2, 2, 2, 3]),
+    ([BOS, 5, EOS, BOS, 6, EOS], EOS, [1, 1, 1, 2, 2]),  # a window opening at a document's bos
+])
+def test_document_ids_start_at_each_bos_after_an_eos(window: list[int], eos: int, expected: list[int]):
     class Windows:
         def sequence(self, index: int, seq_len: int) -> np.ndarray:
-            return np.array([7, 8, BOS, 9, 2, BOS, 5, BOS, BOS, 6])[: seq_len + 1]
+            return np.array(window)[: seq_len + 1]
 
     class OneWindow:
         global_batch_size = 1
@@ -70,8 +81,9 @@ def test_document_ids_start_at_each_bos_of_the_packed_tokens():
         def rank_indices(self, step: int, rank: int, size: int) -> list[int]:
             return [0]
 
-    loader = BatchLoader(Windows(), OneWindow(), 9, 0, 1, 1, document_start_id=BOS)
+    seq_len = len(window) - 1
+    loader = BatchLoader(Windows(), OneWindow(), seq_len, 0, 1, 1, document_start_id=BOS, document_end_id=eos)
     inputs, _ = loader.batch(0)[0]
-    assert loader.document_ids(inputs).tolist() == [[0, 0, 1, 1, 1, 2, 2, 3, 4]]
-    with pytest.raises(ValueError, match="without document_start_id"):
-        BatchLoader(Windows(), OneWindow(), 9, 0, 1, 1).document_ids(inputs)
+    assert loader.document_ids(inputs).tolist() == [expected]
+    with pytest.raises(ValueError, match="without the document tokens"):
+        BatchLoader(Windows(), OneWindow(), seq_len, 0, 1, 1, document_start_id=BOS).document_ids(inputs)

@@ -15,7 +15,7 @@ from trainer.data.shards import PackedTokens
 def _build_data(monkeypatch, tmp_path, num_tokens: int, held_out_fraction: float = 0.0, **overrides) -> list[str]:
     """build_data on `num_tokens` prepared tokens, seq_len 10, one data-parallel rank of batch 8;
     returns its log lines."""
-    tokens, tokenizer = SimpleNamespace(num_tokens=num_tokens), SimpleNamespace(bos_id=1)
+    tokens, tokenizer = SimpleNamespace(num_tokens=num_tokens), SimpleNamespace(bos_id=1, eos_id=2)
     tokens.num_sequences = partial(PackedTokens.num_sequences, tokens)  # of the token count alone
     tokens.fingerprint = dict
     monkeypatch.setattr(build, "prepare_dataset", lambda *args, **kwargs: (tokenizer, tokens))
@@ -61,7 +61,7 @@ def _build_blend(monkeypatch, tmp_path, sizes: dict[str, int], eval: EvalConfig 
         calls.append((source, tokenizer_path))
         tokens = SimpleNamespace(num_tokens=sizes[source], fingerprint=lambda: {"data_sha256": source})
         tokens.num_sequences = partial(PackedTokens.num_sequences, tokens)
-        return SimpleNamespace(bos_id=1, path=tmp_path / f"trained-on-{source}"), tokens
+        return SimpleNamespace(bos_id=1, eos_id=2, path=tmp_path / f"trained-on-{source}"), tokens
 
     monkeypatch.setattr(build, "prepare_dataset", prepare)
     monkeypatch.setattr(build, "check_disjoint", lambda sources: calls.append(("disjoint", sources)))
