@@ -7,13 +7,16 @@ the process group) that a fork would copy in whatever state they were in.
 """
 
 import multiprocessing
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from parallel.errors import ConfigError
+from trainer.config.ranges import STOP_SIGNALS
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 
 Document = str | np.ndarray  # text, or token ids already checked and without bos/eos (a Megatron document)
@@ -61,20 +64,47 @@ def _pack_in_worker(path: Path, sha256: str, documents: list[Document], dtype: n
     return pack_batch(_worker_tokenizer, documents, dtype, 1)
 
 
+# The signals stop_signal may name. Slurm's warning (--signal) reaches every process of the job step:
+# the rank notes it and stops after a step, but a worker, whose handler spawning reset to the default,
+# would die of it and break the pool, losing the stop. Workers start with them blocked (a child inherits
+# the mask of the thread that starts it) and ignore them before unblocking.
+STOP_SIGNALS_FOR_THE_RANK = tuple(signal.Signals[f"SIG{name}"] for name in STOP_SIGNALS)
+
+
+def _ignore_stop_signals() -> None:
+    """A worker's initializer."""
+    for sig in STOP_SIGNALS_FOR_THE_RANK:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS_FOR_THE_RANK)
+
+
+@contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """This thread's stop signals held (not lost: one arriving meanwhile is delivered on leaving)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS_FOR_THE_RANK)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class PoolEncoder:
     """Encodes batches in `workers` spawned processes, one tokenizer thread each; results come back in
     submission order (the caller bounds how many are in flight)."""
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> None:
         self._tokenizer, self._dtype, self.workers = tokenizer, dtype, workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_ignore_stop_signals)
 
     def submit(self, documents: list[Document]) -> Callable[[], np.ndarray]:
         if not any(isinstance(doc, str) for doc in documents):  # already tokenized: nothing to farm out
             packed = pack_batch(self._tokenizer, documents, self._dtype, 1)
             return lambda: packed
-        return self._pool.submit(_pack_in_worker, self._tokenizer.path, self._tokenizer.sha256, documents,
-                                 self._dtype).result
+        with _stop_signals_blocked():  # a submit may start a worker
+            future = self._pool.submit(_pack_in_worker, self._tokenizer.path, self._tokenizer.sha256, documents,
+                                       self._dtype)
+        return future.result
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,12 +1,18 @@
 """Packing in worker processes writes the bytes one process writes; the progress line says where it is."""
 
+import multiprocessing
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.source_kinds import DOCUMENTS, train_small_tokenizer, write_every_kind
 from trainer.data import progress as progress_module
+from trainer.data.encode_pool import PoolEncoder, pack_batch
 from trainer.data.progress import Progress
 from trainer.data.shards import META_FILE, TOKENS_FILE, write_packed_tokens
 from trainer.data.sources import list_source, sources_fingerprint
@@ -51,3 +57,27 @@ def test_the_progress_line_gives_files_megabytes_rate_and_eta(monkeypatch) -> No
                         r"0\.50M tokens", lines[0]), lines
     assert re.fullmatch(r"data: tokenized \[#{20}\] 100% 1/4 files, 8\.0/8\.0 MB, [\d.]+ MB/s, in \d+:\d\d, "
                         r"0\.50M tokens", lines[1]), lines
+
+
+def test_a_stop_signal_reaching_the_workers_leaves_the_pool_working(tokenizer) -> None:
+    """Slurm's --signal warning reaches every process of the job step: the rank notes it (the trainer's
+    handler), the workers go on encoding, and the batches are those one process packs."""
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: noted.append(signum))
+    encoder = PoolEncoder(tokenizer, np.uint32, 2)
+    try:
+        batches = [DOCUMENTS[i : i + 4] for i in range(0, 12, 4)]
+        packed = [encoder.submit(batches[0])()]
+        workers = multiprocessing.active_children()
+        assert workers
+        for pid in [os.getpid(), *(worker.pid for worker in workers)]:
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)  # a worker the signal killed would be gone by now
+        packed += [encoder.submit(batch)() for batch in batches[1:]]
+        assert all(worker.is_alive() for worker in workers)
+    finally:
+        encoder.close()
+        signal.signal(signal.SIGUSR1, previous)
+    assert noted == [signal.SIGUSR1]
+    for batch, got in zip(batches, packed, strict=True):
+        np.testing.assert_array_equal(got, pack_batch(tokenizer, batch, np.uint32, 1))
