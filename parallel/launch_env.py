@@ -18,7 +18,9 @@ class LaunchEnv:
     world_size: int
     torchrun: bool
     run_id: str  # torchrun's rendezvous run id (unique for a lone process): names the job (lock, metrics)
-    restart_count: int = 0  # how many times torchrun has restarted the worker group (--max-restarts)
+    # How many times torchrun has restarted the worker group (--max-restarts): this node's agent's count,
+    # until init_process_group returns the one every rank agrees on (parallel/attempt.py).
+    restart_count: int = 0
 
     @classmethod
     def from_torchrun(cls) -> "LaunchEnv":

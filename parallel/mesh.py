@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import comm
+from parallel.attempt import agreed_attempt
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 
@@ -167,20 +168,26 @@ class ParallelMesh:
         return self.rank_in("dp")
 
 
-def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """gloo on CPU, NCCL on CUDA, every collective bounded by `timeout_s`; a lone process without
-    torchrun gets an in-memory store."""
+    torchrun gets an in-memory store. Returns how many attempts of this torchrun job came before this
+    one (parallel/attempt.py), the same on every rank."""
     timeout = timedelta(seconds=timeout_s)
     comm.LEDGER.timeout_s = timeout_s
     if not launch.torchrun:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
-    store = attempt_store(launch)
+        return 0
+    store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
+    number, restarts = agreed_attempt(store, launch.rank, launch.world_size, launch.restart_count, timeout_s)
+    # The attempt's own namespace of the store: the new group must not read the addresses a dead one
+    # published (it would connect to dead peers and fail again).
+    store = dist.PrefixStore(f"attempt_{number}/", store)
     if device.type == "cuda":
         dist.init_process_group("nccl", store=store, rank=launch.rank, world_size=launch.world_size, device_id=device,
                                 timeout=timeout)
     else:
         dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    return restarts
 
 
 def group_options(device_type: str, timeout_s: float) -> tuple[str, object]:
@@ -191,14 +198,6 @@ def group_options(device_type: str, timeout_s: float) -> tuple[str, object]:
         backend, options = "gloo", dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_s)
     return backend, options
-
-
-def attempt_store(launch: LaunchEnv) -> dist.Store:
-    """torchrun's store, seen through a namespace of this restart attempt. The agent's store outlives a
-    worker group that torchrun restarts (--max-restarts); the new group must not read the addresses the
-    dead one published, or it connects to dead peers and fails again."""
-    store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
-    return dist.PrefixStore(f"attempt_{launch.restart_count}/", store)
 
 
 def shutdown_process_groups() -> None:

@@ -62,7 +62,8 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
     if cfg.enable_deterministic_training:
         enable_deterministic(device.type)
     seed_everything(cfg.seed)
-    init_process_group(launch, device, cfg.comm_timeout_s)
+    # Agreed by every rank: torchrun's per-node count differs between nodes after a failure on one of them.
+    launch = dataclasses.replace(launch, restart_count=init_process_group(launch, device, cfg.comm_timeout_s))
     try:
         _train(cfg, launch, dims, device, stop_request)
     except BaseException as e:

@@ -3,13 +3,15 @@
 checkpoint and ends with the losses of a run that was never interrupted, bit for bit."""
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import CHECKPOINTED_RUN
-from tests.e2e.launch import assert_one_error, error_lines, losses, metrics, train
+from tests import REPO
+from tests.e2e.launch import DATA_CACHE, ENV, assert_one_error, error_lines, free_port, losses, metrics, train
 
 RUN = (*CHECKPOINTED_RUN, "checkpoint.keep=1")
 
@@ -94,3 +96,25 @@ def test_a_stalled_rank_times_out_with_one_line_on_every_waiting_rank(tmp_path):
         # The reduce-scatter of the head, asynchronous, is waited for while layers.1 computes its backward.
         assert "CommTimeout: reduce_scatter of head on group dp_shard_cp did not complete within " \
                "comm_timeout_s=5 (step 3, backward of layers.1)" in line, line
+
+
+def test_a_kill_on_one_of_two_nodes_restarts_both_into_one_attempt(tmp_path, straight):
+    """Two torchrun agents (two nodes of one rank each, one c10d rendezvous): rank 1 dies on its node,
+    whose agent counts a restart, while the other node's agent restarts its worker as a membership change
+    and counts none. The new group still meets in one namespace of the store (before, the nodes waited
+    for each other under attempt_1/ and attempt_0/ until the timeout), and resumes to the straight losses."""
+    dump = tmp_path / "dump"
+    port = free_port()
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two_nodes", "--max-restarts=1", "--monitor-interval=0.5",
+            str(REPO / "tests" / "e2e" / "faulty_train.py"), "step_start:3:1", f"dump_dir={dump}",
+            f"data.cache_dir={DATA_CACHE}", *RUN, "comm_timeout_s=60"]
+    nodes = [subprocess.Popen(node, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=240) for proc in nodes]
+    stderr = "".join(err for _, err in outputs)
+    assert [proc.returncode for proc in nodes] == [0, 0], stderr[-4000:]
+    assert "killing rank 1 at step_start:3" in stderr
+    records = metrics(dump)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert losses(records) == straight
