@@ -31,11 +31,12 @@ except ImportError:  # the component stays importable; train() explains
 
 def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoint: Optional[str] = None,
           rdzv_id: Optional[str] = None, gpus_per_node: int = 0, image: str = ".", python: str = "python",
-          dump_dir: Optional[str] = None, max_restarts: int = 0) -> AppDef:
+          dump_dir: Optional[str] = None, max_restarts: int = 0, mem_gb: int = 0) -> AppDef:
     """The trainer as a TorchX app: `overrides` are hydra overrides (model=small steps=1000 ...); ranks per
     node: `nproc_per_node`, else (0) one per GPU (`gpus_per_node`), else 1, as the other launchers;
     `dump_dir`: the folder where the config leaves dump_dir at its default (dump/torchx-<app id> if not
-    given)."""
+    given); `mem_gb`: host memory per node the scheduler reserves (Slurm's --mem), 0 for its default (a
+    fixed guess would be too small for one rank per GPU, or for checkpoint.async_save's host copy)."""
     if specs is None:
         raise ImportError("scripts/torchx_components.py needs TorchX: pip install torchx")
     if rdzv_endpoint is None:
@@ -52,6 +53,6 @@ def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoi
                                       hosts_rendezvous=True if nnodes == 1 else None)
     role = specs.Role(
         name="trainer", image=image, entrypoint=python_cmd, args=args, num_replicas=nnodes,
-        resource=specs.Resource(cpu=max(nproc_per_node, 1), gpu=gpus_per_node, memMB=16 * 1024),
+        resource=specs.Resource(cpu=max(nproc_per_node, 1), gpu=gpus_per_node, memMB=mem_gb * 1024),
     )
     return specs.AppDef(name="llm-train", roles=[role])

@@ -140,6 +140,8 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
     # One command for every node: torch tells the rendezvous host by its name.
     assert [role.entrypoint, *role.args] == [a for a in command if a != "--rdzv_conf=is_host=true"]
     assert role.num_replicas == 2
+    assert role.resource.memMB == 0  # the scheduler's default memory, unless asked
+    assert train(*OVERRIDES, mem_gb=512).roles[0].resource.memMB == 512 * 1024
 
     restarting = _sbatch_command(tmp_path / "restarts", OVERRIDES, env={"MAX_RESTARTS": "3"})
     assert restarting == [*command[:5], "--max-restarts=3", *command[5:]]  # a torchrun flag, before train.py
