@@ -26,13 +26,9 @@ class RNGStreams:
         self._tp_state = self._fresh_state(seed + _TP_SEED_OFFSET + tp_rank)
 
     def _fresh_state(self, seed: int) -> torch.Tensor:
-        if self.device.type == "cuda":
-            saved = torch.cuda.get_rng_state(self.device)
-            torch.cuda.manual_seed(seed)
-            state = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(saved, self.device)
-            return state
-        return torch.Generator().manual_seed(seed).get_state()
+        # A generator of its own on this rank's device: seeding the current CUDA device instead would touch
+        # another device's stream where the two differ.
+        return torch.Generator(self.device).manual_seed(seed).get_state()
 
     def _get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()

@@ -121,3 +121,16 @@ def test_fused_adamw_on_cuda_is_torch_fused_adamw_bitwise():
     """optim.fused: torch._fused_adamw_ reads the step counts on the GPU (kept there, as torch.optim keeps
     them for its fused kernel): the same bits as torch.optim.AdamW(fused=True)."""
     adamw_against_torch(fused=True, device="cuda")
+
+
+def test_the_tp_stream_on_cuda_is_seeded_on_the_ranks_device_alone():
+    from parallel.random import RNGStreams
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.manual_seed_all(0)
+    current_before = torch.cuda.get_rng_state()
+    streams = RNGStreams(seed=5, tp_rank=1, device=device)
+    assert torch.equal(torch.cuda.get_rng_state(), current_before)  # the current device's stream untouched
+    with streams.tp_region():
+        inside = torch.rand(3, device=device)
+    assert torch.equal(inside, torch.rand(3, device=device, generator=torch.Generator(device).manual_seed(5 + 2718 + 1)))

@@ -56,3 +56,10 @@ def test_each_layout_of_a_world_keys_its_own_streams():
     assert len({rng_key(3, layout, cpu) for layout in layouts}) == 3
     assert rng_key(3, layouts[0], cpu) == "rank3_of_8_tp2_pp2_cp1_dpr1"  # the key CPU checkpoints always had
     assert rng_key(3, layouts[0], cuda) != rng_key(3, layouts[0], cpu)  # other generator states
+
+
+def test_the_tp_stream_is_seeded_by_seed_and_tp_rank():
+    streams = RNGStreams(seed=5, tp_rank=1, device=CPU)
+    with streams.tp_region():
+        inside = torch.rand(3)
+    assert torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + 1)))
