@@ -26,17 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import warnings  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from model.args import ModelArgs  # noqa: E402
 from model.hf import hf_config, to_hf  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
-from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint  # noqa: E402
+from trainer.checkpoint.files import (MANIFEST, checkpoint_files_problem, enclosing_checkpoint,  # noqa: E402
+                                     latest_checkpoint)
 from trainer.checkpoint.hf_folder import INDEX  # noqa: E402
 from trainer.checkpoint.hf_origin import exported_eos, read_origin_config  # noqa: E402
 from trainer.checkpoint.model_folder import read_train_config  # noqa: E402
@@ -95,6 +101,10 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} is not an empty folder: files left from another model (shards, an index) would "
                           "be read in place of the export; give a new or empty folder")
+    inside = enclosing_checkpoint(out)
+    if inside is not None:
+        raise ConfigError(f"{out} is inside the checkpoint {inside} (it holds {MANIFEST}), whose files the manifest "
+                          "vouches for; export to a folder outside it")
     problem = checkpoint_files_problem(ckpt, rank=0, world=1, checksums=True)
     if problem:
         raise ConfigError(problem)
@@ -107,13 +117,34 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         raise ConfigError(f"transformers' Llama tokenizer would give other ids than training for the run's "
                           f"tokenizer ({difference}); pass "
                           "--no-tokenizer to export the weights and config only")
-    out.mkdir(parents=True, exist_ok=True)
     config = hf_config(args, _HF_DTYPE_NAMES[dtype], tokenizer.bos_id, exported_eos(origin, tokenizer.eos_id),
                        max_positions)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(ckpt, cfg, args, out, dtype, shard_plan(args, dtype, max_shard_bytes))
-    if with_tokenizer:
-        write_tokenizer(tokenizer, out)
+    with staged(out) as folder:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_weights(ckpt, cfg, args, folder, dtype, shard_plan(args, dtype, max_shard_bytes))
+        if with_tokenizer:
+            write_tokenizer(tokenizer, folder)
+
+
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A hidden folder beside `out` to write into, renamed to `out` once everything is written: an export
+    that fails (a full disk) leaves nothing behind that a retry would refuse or transformers would read."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield folder
+        folder.chmod(0o777 & ~_umask())  # mkdtemp's 0700 is for the unfinished folder only
+        os.replace(folder, out)  # onto a missing or empty `out`
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_weights(ckpt: Path, cfg: TrainConfig, args: ModelArgs, out: Path, dtype: torch.dtype,
@@ -218,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         export(opts.checkpoint, opts.out, DTYPES[opts.dtype], with_tokenizer=not opts.no_tokenizer,
                max_positions=opts.max_position_embeddings, max_shard_bytes=parse_size(opts.max_shard_size))
-    except (ConfigError, OSError) as e:  # OSError: an unwritable OUT_DIR
+    except (ConfigError, OSError, SafetensorError) as e:  # OSError, SafetensorError: an unwritable OUT_DIR, a full disk
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"exported {opts.checkpoint} to {opts.out}", file=sys.stderr)

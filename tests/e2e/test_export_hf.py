@@ -109,7 +109,8 @@ def test_a_bad_checkpoint_or_a_used_output_folder_is_one_error_line(tmp_path: Pa
     # a reader could take for the export's).
     for bad, out, fragment in ((tmp_path / "missing", tmp_path / "hf_bad", "is not a checkpoint"),
                                (corrupt, tmp_path / "hf_bad", "sha256"),
-                               (ckpt, used, "is not an empty folder")):
+                               (ckpt, used, "is not an empty folder"),
+                               (ckpt, ckpt / "hf", f"is inside the checkpoint {ckpt}")):
         failed = _export(bad, out)
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr
@@ -130,6 +131,28 @@ def test_a_tokenizer_transformers_reads_otherwise_is_refused_unless_left_out(tmp
     assert not (tmp_path / "refused").exists()
     assert export_hf.main([str(ckpt), str(tmp_path / "weights"), "--no-tokenizer"]) == 0
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended
+def test_an_export_that_fails_midway_leaves_nothing_behind(tmp_path: Path, checkpoint_of, monkeypatch,
+                                                           capsys) -> None:
+    """A disk that fills while the weights are written (after config.json): one line, no half-written
+    folder that a retry would refuse as not empty, no staging folder left; the retry then exports."""
+    import scripts.export_hf as export_hf
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: IoError(File too large (os error 27))")
+
+    out = tmp_path / "exports" / "hf"
+    with monkeypatch.context() as patch:
+        patch.setattr(export_hf, "save_file", full_disk)
+        assert export_hf.main([str(checkpoint_of("single")), str(out)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith("error: ") and "File too large" in line, line
+    assert list((tmp_path / "exports").iterdir()) == []
+    assert export_hf.main([str(checkpoint_of("single")), str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and list((tmp_path / "exports").iterdir()) == [out]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP load is intended

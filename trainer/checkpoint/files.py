@@ -72,6 +72,13 @@ def latest_checkpoint(root: Path, before: int | None = None) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint (a folder holding a manifest) that `path` is or lies in; None if none. Writing
+    there would change files the manifest vouches for, or add ones it does not list."""
+    resolved = path.resolve()
+    return next((folder for folder in (resolved, *resolved.parents) if (folder / MANIFEST).is_file()), None)
+
+
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     """(N, path) of every step_N folder, complete or not, oldest first."""
     numbered = ((p.name[len(_STEP_PREFIX):], p) for p in root.glob(f"{_STEP_PREFIX}*"))

@@ -23,6 +23,7 @@ from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_
 from trainer.checkpoint.hf_folder import KEY, check_tensor_shapes, model_keys, read_hf_config
 from trainer.checkpoint.hf_import import HFReader
 from trainer.checkpoint.state import load_full_weights
+from trainer.config.rules import check_model_config
 from trainer.config.schema import TrainConfig, from_dict
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE
@@ -33,12 +34,21 @@ Weights = dict[str, torch.Tensor]
 
 
 def read_train_config(ckpt: Path) -> TrainConfig:
-    """The run's config, saved next to the shards; the manifest has already vouched for its bytes."""
+    """The run's config, saved next to the shards, checked as a model to build (the manifest vouches for
+    the bytes the run wrote, not for a config edited and re-hashed since, or written by another version)."""
+    path = ckpt / CONFIG_FILE
     try:
-        raw = json.loads((ckpt / CONFIG_FILE).read_text())
+        raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {ckpt} has no readable {CONFIG_FILE}: {e}")
-    return from_dict(raw)
+    try:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"holds a JSON {type(raw).__name__}, not the run's config")
+        cfg = from_dict(raw)
+        check_model_config(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return cfg
 
 
 def folder_kind(path: Path) -> str:
@@ -85,7 +95,9 @@ def _from_hf(folder: Path) -> tuple[ModelArgs, Weights, Tokenizer]:
     tokenizer = load_tokenizer(folder, "PATH")
     try:
         config = read_hf_config(folder)
-        args = from_dict({"model": model_keys(config, folder)}).model
+        cfg = from_dict({"model": model_keys(config, folder)})
+        check_model_config(cfg)
+        args = cfg.model
         check_tensor_shapes(folder, args)
         weights = from_hf(HFReader(folder).tensor, args)
     except ConfigError as e:

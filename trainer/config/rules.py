@@ -71,6 +71,15 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def check_model_config(cfg: TrainConfig) -> None:
+    """The rules a model read back from a checkpoint or a Hugging Face folder must meet to be built
+    (generation, export): a damaged or hand-edited config fails here, in one line, not in a constructor."""
+    check_ranges(cfg)
+    _check_enums(cfg)
+    _check_rope_scaling(cfg)
+    _check_model(cfg)
+
+
 def _check_enums(cfg: TrainConfig) -> None:
     for key, allowed in ENUMS.items():
         value = get_key(cfg, key)

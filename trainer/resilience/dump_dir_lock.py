@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from parallel import comm
 from parallel.errors import ConfigError
-from trainer.checkpoint.files import MANIFEST
+from trainer.checkpoint.files import MANIFEST, enclosing_checkpoint
 from trainer.outputs import JOB_FILES, LOCK_FILE, TAKEOVER_FILE, write_problem
 
 TAKEOVER_RETRY_S = 0.1
@@ -230,8 +230,7 @@ def own_dump_dir(dump_dir: Path, folders: dict[str, str], rank: int, job: str, a
 
 def _unwritable(dump_dir: Path, folders: dict[str, str]) -> str | None:
     """Why the job could not write its outputs (None if it can), found before any work is done."""
-    resolved = dump_dir.resolve()
-    checkpoint = next((folder for folder in (resolved, *resolved.parents) if (folder / MANIFEST).is_file()), None)
+    checkpoint = enclosing_checkpoint(dump_dir)
     if checkpoint is not None:
         return (f"dump_dir={dump_dir} is inside the checkpoint {checkpoint} (it holds {MANIFEST}): the job's outputs "
                 "would change that checkpoint's files, which its manifest vouches for; use another dump_dir")

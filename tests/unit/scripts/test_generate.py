@@ -19,6 +19,7 @@ from model.attention import RotaryEmbedding
 from model.generate import Sampling, top_p_filter
 from model.init import init_weights
 from model.transformer import Transformer
+from parallel.errors import ConfigError
 from scripts.generate import completion, generate_ids, main, prompt_ids
 from tests import REPO
 from tests.llama3_folder import ROPE, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
@@ -120,6 +121,17 @@ def test_a_checkpoint_generates_what_its_hugging_face_export_does(llama31, world
         ids = prompt_ids(tokenizer, PROMPT)
         greedy = [int(trained(torch.tensor([ids + from_checkpoint[:i]]))[0, -1].argmax()) for i in range(4)]
     assert greedy == from_checkpoint[:4]
+    # A config damaged since (its size kept, so the manifest's sizes still pass) or hand-edited: one line
+    # naming the file and the key, not a constructor's traceback.
+    config = ckpt / CONFIG_FILE
+    config.write_text(config.read_text().replace('"dim": 64', '"dim": -4'))
+    hf_config = tmp_path / "hf" / "config.json"
+    hf_config.write_text(json.dumps({**json.loads(hf_config.read_text()), "num_attention_heads": 0}))
+    for path, message in ((ckpt, f"{config}: model.dim=-4 must be > 0"),
+                          (tmp_path / "hf", f"{tmp_path / 'hf'}: model.n_heads=0 must be > 0")):
+        with pytest.raises(ConfigError) as refused:
+            load_model(path, CPU, FP32)
+        assert str(refused.value) == message
 
 
 def test_a_bad_path_or_option_is_one_error_line(tmp_path: Path, capsys) -> None:
