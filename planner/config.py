@@ -10,7 +10,7 @@ from trainer.config.schema import TrainConfig, from_dict
 
 
 def compose_config(overrides: list[str]) -> TrainConfig:
-    check_overrides(overrides, LaunchEnv.from_torchrun())
+    check_overrides(overrides, LaunchEnv.from_torchrun(), hydra_flags=False)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         raw = compose(config_name="config", overrides=overrides)
     return from_dict(fill_hf_model(resolved(raw)))

@@ -59,7 +59,7 @@ class Stats:
 
 def compose_config(overrides: list[str], dp: int) -> TrainConfig:
     """The config train.py would run with these overrides on a layout of data-parallel size `dp`."""
-    check_overrides(overrides, LaunchEnv.from_torchrun())  # a bad override: train.py's error line, exit 2
+    check_overrides(overrides, LaunchEnv.from_torchrun(), hydra_flags=False)  # train.py's error line, exit 2
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         raw = compose(config_name="config", overrides=overrides)
     cfg = from_dict(fill_hf_model(resolved(raw)))

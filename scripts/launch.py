@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
-from scripts.launch_command import (check_overrides_here, check_stop_signal, dump_dir_of, free_port,  # noqa: E402
+from scripts.launch_command import (check_overrides_here, check_stop_signal, count, dump_dir_of, free_port,  # noqa: E402
                                     positive_int, ranks_per_node, rendezvous_port, torchrun_args)
 
 
@@ -123,11 +123,11 @@ def main() -> None:
     parser.add_argument("--gpus-per-node", type=int, choices=range(0, 65), metavar="0..64", default=0)
     parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default: GPUs per node, or 1)")
     parser.add_argument("--partition")
-    parser.add_argument("--time", type=int, default=60, help="minutes")
+    parser.add_argument("--time", type=positive_int, default=60, help="minutes")
     parser.add_argument("--local", action="store_true", help="run here, without a scheduler")
     parser.add_argument("--wait", action="store_true", help="wait for the job and fail if it fails")
     parser.add_argument("--logs", default="dump/submitit_logs")
-    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts when a worker dies")
+    parser.add_argument("--max-restarts", type=count, default=0, help="torchrun restarts when a worker dies")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     nproc = ranks_per_node(opts.nproc_per_node, opts.gpus_per_node)

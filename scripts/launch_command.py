@@ -54,6 +54,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """argparse type of restart counts: 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def override_key(override: str) -> str:
     """The config key a hydra override sets (`key=v`, `+key=v`, `++key=v`)."""
     return override.split("=", 1)[0].lstrip("+~")
@@ -92,7 +100,7 @@ def check_overrides_here(overrides: list[str]) -> None:
     from parallel.launch_env import LaunchEnv
     from trainer.config.cli import check_overrides
 
-    check_overrides(overrides, LaunchEnv.from_torchrun())
+    check_overrides(overrides, LaunchEnv.from_torchrun(), hydra_flags=False)
 
 
 def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
@@ -162,11 +170,12 @@ def main() -> None:
     parser.add_argument("--rdzv-id", required=True)
     parser.add_argument("--dump-dir")
     parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--max-restarts", type=count, default=0)
     parser.add_argument("--hosts-rendezvous", choices=("true", "false"), help="default: torch's guess")
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     hosts = None if opts.hosts_rendezvous is None else opts.hosts_rendezvous == "true"
+    check_overrides_here(opts.overrides)
     check_stop_signal(opts.overrides, DEFAULT_STOP_SIGNAL)
     argv = torchrun_args(opts.nnodes, opts.nproc_per_node, opts.rdzv_endpoint, opts.rdzv_id, opts.overrides,
                          opts.dump_dir, opts.python, max_restarts=opts.max_restarts, hosts_rendezvous=hosts)

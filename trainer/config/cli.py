@@ -30,14 +30,19 @@ OmegaConf.register_new_resolver("expanduser", os.path.expanduser, replace=True)
 CONFIG_GROUPS = {p.parent.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR}
 
 
-def check_overrides(overrides: list[str], launch: LaunchEnv) -> None:
+def check_overrides(overrides: list[str], launch: LaunchEnv, hydra_flags: bool = True) -> None:
     """Hydra reports a bad override (an unknown key, a missing config option, broken syntax) in several
     lines and exits 1 before the trainer runs: compose the config first, so that it is one `error:` line
     and exit 2 as for every other bad config. Hydra's own flags (--help, -m sweeps, and sweeps asked for
-    by hydra.mode=MULTIRUN) go to it unchecked, except for deletions."""
+    by hydra.mode=MULTIRUN) go to it unchecked, except for deletions; where no hydra command line reads
+    them (`hydra_flags=False`: the scripts that compose the config themselves), a flag is refused."""
     deletions = [o for o in overrides if o.startswith("~")]
     if deletions:  # the trainer would fill the deleted key with its built-in default, without a word
         exit_on_bad_input(f"{deletions[0]}: deleting a config key is not supported; set its value instead", launch,
+                          code=2)
+    flags = [arg for arg in overrides if arg.startswith("-")]
+    if flags and not hydra_flags:
+        exit_on_bad_input(f"{flags[0]} is neither an override (key=value) nor one of this command's flags", launch,
                           code=2)
     if any(arg.startswith("-") or arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
         return

@@ -56,6 +56,7 @@ def _sbatch_command(tmp_path, overrides: list[str], env: dict | None = None, sto
     ("optim.lrr=1", ("error: optim.lrr is not a known config key",)),
     ("stop_signal=USR2", ("error: stop_signal=USR2: the scheduler sends SIGUSR1 before the time limit",)),
     ("stop_signal=null", ("error: stop_signal=null: the scheduler sends SIGUSR1",)),
+    ("--cfg=job", ("error: --cfg=job is neither an override (key=value) nor one of this command's flags",)),
 ])
 def test_the_batch_script_refuses_a_bad_override_in_one_line_before_srun(tmp_path, override, fragments):
     done = _run_sbatch(_fake_slurm(tmp_path), ["model=tiny", override])
@@ -69,6 +70,20 @@ def test_launch_py_refuses_a_bad_override_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert "model/tinyy" in done.stderr
+
+
+def test_the_node_command_refuses_a_bad_override_without_a_dump_dir_too():
+    """launch_command.py checked the overrides only while composing the dump_dir it was given."""
+    node = [sys.executable, "scripts/launch_command.py", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint",
+            "h:1", "--rdzv-id", "1"]
+    for overrides, fragment in ((["model=tiny", "optim.lrr=1"], "error: optim.lrr is not a known config key"),
+                                (["model=tiny", "--foo"], "error: --foo is neither an override")):
+        done = subprocess.run([*node, "--", *overrides], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and not done.stdout and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(fragment), done.stderr
+    done = subprocess.run([*node, "--max-restarts", "-1", "model=tiny"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--max-restarts: must be at least 0, got -1" in done.stderr, done.stderr
 
 
 def test_a_slurm_sweep_refuses_a_stop_signal_submitit_does_not_send(tmp_path):

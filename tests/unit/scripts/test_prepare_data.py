@@ -1,6 +1,8 @@
 """scripts/prepare_data.py refuses bad input as train.py does: one `error:` line, exit code 2, nothing built.
 (tests/e2e/test_prepare_data.py runs it before a job.)"""
 
+import pytest
+
 from scripts.prepare_data import main
 
 
@@ -15,3 +17,12 @@ def test_a_bad_source_or_override_is_one_error_line(tmp_path, capsys) -> None:
                      "pair PREFIX.bin and PREFIX.idx",
                      "error: data.prepare_workers=0 must be > 0 (or null)"]
     assert not cache.exists()
+
+
+def test_a_flag_it_does_not_take_is_one_error_line(tmp_path, capsys) -> None:
+    """Hydra's flags mean nothing here: one line, not the override parser's traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        main([f"data.cache_dir={tmp_path / 'cache'}", "--foo"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "error: --foo is neither an override (key=value) nor one of this command's flags\n"
+    assert not (tmp_path / "cache").exists()
