@@ -30,6 +30,10 @@ import struct
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.image_output import image_problem  # noqa: E402
+
 FIELDS = ("loss", "grad_norm", "eval_loss")
 ABSENT = object()  # a field the record does not have (eval_loss on non-eval steps)
 
@@ -339,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtol", type=tolerance, default=0.0, help="relative tolerance (default 0: bitwise)")
     parser.add_argument("--fields", type=field_list, help=f"what to compare (default {','.join(FIELDS)}; eval_loss only "
                         "where a run evaluated)")
-    parser.add_argument("--plot", help="write a PNG of both loss curves and their difference")
+    parser.add_argument("--plot", help="write an image of both loss curves and their difference (.png, .pdf, ...)")
     parser.add_argument("--brief", action="store_true", help="only the verdict and each run's median TFLOP/s")
     opts = parser.parse_args(argv)
+    if opts.plot and (problem := image_problem(opts.plot)):  # checked before any output
+        print(f"error: --plot {opts.plot}: {problem}", file=sys.stderr)
+        return 2
     notes: list[str] = []
     try:
         if _same_file(opts.dump_a / "metrics.jsonl", opts.dump_b / "metrics.jsonl"):

@@ -313,3 +313,20 @@ def test_a_profiled_step_compares_as_any_other(tmp_path, capsys):
     assert out.strip().endswith("bitwise equal over 2 steps")
     assert all(line.endswith("has no readable train_config.json: the configs are not compared")
                for line in err.splitlines()), err  # nothing about the flag
+
+
+def test_a_plot_it_would_not_write_as_named_is_refused_before_any_output(tmp_path, capsys):
+    """matplotlib picks the format by the extension and writes PATH.png for a folder or a name without one:
+    refused in one line, before the table, and no file appears."""
+    a, b = _dump(tmp_path / "a", [6.9, 6.1]), _dump(tmp_path / "b", [6.9, 6.0])
+    for plot, fragment in ((tmp_path / "a", "is a folder"),
+                           (tmp_path / "noext", "has no extension: end it in one of .avif"),
+                           (tmp_path / "x.foo", ".foo is not an image format matplotlib writes"),
+                           (tmp_path / "nope" / "x.png", f"its folder {tmp_path / 'nope'} does not exist")):
+        assert compare_runs.main([str(a), str(b), "--plot", str(plot)]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --plot {plot}: {fragment}"), err
+        assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["metrics.jsonl"]

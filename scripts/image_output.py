@@ -1,0 +1,26 @@
+"""Where a script may write an image: checked before anything is read or written (matplotlib picks the
+format by the extension, and for a name without one writes PATH.png, elsewhere than asked)."""
+
+import os
+from pathlib import Path
+
+
+def file_problem(path: str) -> str | None:
+    """Why no file can be written at `path` (None: one can), checked before anything is written."""
+    folder = Path(path).parent
+    if Path(path).is_dir() or not folder.is_dir():
+        return "is a folder: name a file in it" if Path(path).is_dir() else f"its folder {folder} does not exist"
+    return None if os.access(folder, os.W_OK) else f"its folder {folder} is not writable"
+
+
+def image_problem(path: str) -> str | None:
+    """file_problem, or an extension matplotlib cannot write: it picks the format by the extension, and for a
+    name without one writes PATH.png, elsewhere than asked."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})  # pgf needs TeX, fails mid-write
+    problem, suffix = file_problem(path), Path(path).suffix
+    if problem or suffix.lower()[1:] in formats:
+        return problem
+    named = f"{suffix} is not an image format matplotlib writes" if suffix else "has no extension"
+    return f"{named}: end it in one of {', '.join('.' + f for f in formats)}"
