@@ -200,12 +200,15 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
     palette = plt.get_cmap("tab20" if microbatches > 10 else "tab10")
     fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.35), 0.6 * timeline.pp + 1.2))
     for rank, spans in enumerate(timeline.spans):
+        # One collection per rank and hatch: an artist per action makes drawing grow with their square.
+        for hatched in (False, True):
+            drawn = [s for s in spans if (s.action.op == WEIGHT) == hatched]
+            colors = [tuple(c + (1 - c) * {FORWARD: 0.55, WEIGHT: 0.3}.get(s.action.op, 0.0)  # mixed with white
+                            for c in to_rgb(palette(s.action.microbatch % palette.N))) for s in drawn]
+            if drawn:
+                ax.broken_barh([(s.start, s.end - s.start) for s in drawn], (rank - 0.4, 0.8), facecolors=colors,
+                               edgecolors="black", linewidth=0.5, hatch="//" if hatched else None)
         for s in spans:
-            base = to_rgb(palette(s.action.microbatch % palette.N))
-            shade = {FORWARD: 0.55, WEIGHT: 0.3}.get(s.action.op, 0.0)  # mix with white
-            color = tuple(c + (1 - c) * shade for c in base)
-            ax.broken_barh([(s.start, s.end - s.start)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black",
-                           linewidth=0.5, hatch="//" if s.action.op == WEIGHT else None)
             label = f"{s.action.op}{s.action.microbatch}" + (f"c{s.action.chunk}" if timeline.vpp > 1 else "")
             ax.text((s.start + s.end) / 2, rank, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
