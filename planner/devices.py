@@ -16,6 +16,14 @@ from planner.cpu_profile import measure_cpu
 
 DEVICE_DIR = Path(__file__).resolve().parents[1] / "conf" / "device"
 GB = 1e9
+# The default budget keeps back what no memory category counts (budget_bytes). Of a GPU: the CUDA context
+# and the kernels' workspaces (cuBLAS, attention: about 0.5-1 GiB) and NCCL's buffers (each communicator
+# holds its own, and a layout opens several: TP, CP, FSDP, HSDP, the pipeline's p2p: 1-2 GiB), 3 GiB in
+# all; of a CPU rank, the interpreter, torch and the trainer's modules (about 0.5 GiB resident). Of either,
+# a share for what the allocator cannot hand out: a GPU shows a little less than its nominal size (an
+# "80 GB" H100 79.2 GiB) and the caching allocator's segments are split by blocks of other sizes.
+RESERVE_GIB = {"gpu": 3.0, "cpu": 0.5}
+FRAGMENTATION = 0.05
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,12 @@ class DeviceProfile:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 2**30)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The default memory budget: the memory less the reserve (RESERVE_GIB, FRAGMENTATION)."""
+        reserve = RESERVE_GIB["cpu" if self.name == "cpu" else "gpu"]
+        return int((self.memory_gib * (1 - FRAGMENTATION) - reserve) * 2**30)
 
     def flops(self, dtype_bytes: int, fp8: bool = False) -> float:
         """Dense peak FLOP/s of a GEMM in this precision."""

@@ -11,12 +11,17 @@ The optimizer's two Adam moments per shard element exist from the first update o
 is a later one. Samples are taken where the CPU measurement takes them: as a unit's activations are
 saved (forward), and as its backward starts (the unit and the previous one gathered, the next one's
 gradient already handed to its reduction).
+
+Two buffers the snapshot does not see are followed at the moments they exist: the loss's scratch (its
+forward's and backward's peaks over what it leaves saved) on the chunk holding the head, and under a
+zero-bubble program (with W actions) each B's deferred weight-gradient operands, which its W frees; the
+unit's reduction then starts in W, behind those GEMMs (parallel/fsdp/hooks.py).
 """
 
 from collections import deque
 from dataclasses import dataclass
 
-from parallel.pipeline.schedule import BACKWARD, FORWARD, Action
+from parallel.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action
 
 FP32 = 4
 
@@ -26,6 +31,9 @@ class UnitPlan:
     numel: int  # TP-local parameters
     activation: int  # bytes one microbatch saves in it
     outside: int = 0  # saved after it (the loss), freed before its backward starts
+    outside_forward: int = 0  # the loss forward's peak beyond `outside` (its scratch, the logits)
+    outside_backward: int = 0  # the loss backward's peak beyond `outside`
+    deferred: int = 0  # what its B leaves its W (zero-bubble programs): the weight-gradient GEMMs' operands
 
 
 @dataclass(frozen=True)
@@ -77,17 +85,34 @@ class _State:
         self.reducing_bytes = lambda k: FP32 * plan.padded(numel[k])
         self.fixed = {"parameter_shards": FP32 * shards, "optimizer_state": 2 * FP32 * shards}
         self.activations = 0
+        self.deferred = 0  # the W operands of the Bs whose W has not run
         self.peak: dict = {"total": -1}
         self.measured: dict = {"total": -1}  # the peak of what the CPU snapshot counts
+
+    def signature(self) -> tuple:
+        """Everything the next actions' bytes depend on."""
+        return (self.activations, self.deferred, self.reducing, frozenset(self.gathered.units),
+                frozenset(self.accumulators.units), frozenset(self.shard_sums.units), frozenset(self.shard_grads.units),
+                tuple(tuple(entry) for entry in self.reductions))
+
+    def run(self, op: str, chunk: int, last: bool, defers: bool) -> None:
+        if op == FORWARD:
+            self.forward(chunk)
+        elif op == BACKWARD:
+            self.backward(chunk, last, defers)
+        else:
+            self.weight(chunk, last)
 
     def unit(self, key: tuple[int, int]) -> UnitPlan:
         return self.chunks[key[0]][key[1]]
 
-    def sample(self) -> None:
+    def sample(self, loss_scratch: int = 0) -> None:
         held = (self.fixed["parameter_shards"] + self.fixed["optimizer_state"] + self.gathered.total
                 + self.accumulators.total + self.shard_sums.total + self.shard_grads.total + self.activations)
-        if held + self.reducing > self.peak["total"]:
-            self.peak = {**self._categories(), "total": held + self.reducing}
+        total = held + self.reducing + self.deferred + loss_scratch
+        if total > self.peak["total"]:
+            self.peak = {**self._categories(), "deferred_weight_grads": self.deferred, "loss_buffers": loss_scratch,
+                         "total": total}
         if held > self.measured["total"]:
             now = self._categories()
             self.measured = {"parameters": now["parameter_shards"] + now["unsharded_parameters"],
@@ -108,24 +133,39 @@ class _State:
             self.gather(chunk, i)
             self.gather(chunk, i + 1)
             self.activations += unit.activation + unit.outside
-            self.sample()
+            self.sample(unit.outside_forward)
             if self.plan.reshard_after_forward:
                 self.gathered.discard((chunk, i))
 
-    def backward(self, chunk: int, last: bool) -> None:
+    def backward(self, chunk: int, last: bool, defers: bool) -> None:
+        """One B; `defers`: a W follows it, which takes its weight-gradient GEMMs and the reductions."""
         for i in reversed(range(len(self.chunks[chunk]))):
-            key = (chunk, i)
-            self.activations -= self.unit(key).outside
+            key, unit = (chunk, i), self.unit((chunk, i))
+            if unit.outside:
+                self.sample(unit.outside_backward)
+            self.activations -= unit.outside
             self.gather(chunk, i)
             self.gather(chunk, i - 1)
             self.sample()
-            self.activations -= self.unit(key).activation
+            self.activations -= unit.activation
             self.accumulators.add(key)
-            if last or self.plan.per_microbatch:
+            if defers:
+                self.deferred += unit.deferred
+            elif last or self.plan.per_microbatch:
                 self.accumulators.discard(key)
                 self.reduce(key, last)
             if self.plan.reshard_after_forward:
                 self.gathered.discard(key)
+
+    def weight(self, chunk: int, last: bool) -> None:
+        """One W: its B's GEMMs run and free their operands, then each unit's reduction starts."""
+        self.sample()
+        for i in reversed(range(len(self.chunks[chunk]))):
+            key = (chunk, i)
+            self.deferred -= self.unit(key).deferred
+            if last or self.plan.per_microbatch:
+                self.accumulators.discard(key)
+                self.reduce(key, last)
 
     def reduce(self, key: tuple[int, int], last: bool) -> None:
         """The reduction queue (parallel/fsdp/reductions.py): pushing one moves every earlier one on by one
@@ -156,14 +196,37 @@ class _State:
             self.shard_sums.add(key)
 
 
-def peak_memory(program: list[Action], chunks: list[list[UnitPlan]], plan: ShardingPlan) -> tuple[dict, dict]:
-    """The rank's bytes by category at the peak of their sum over one step of `program`, and at the peak
-    of what mem_snapshot_stop_step measures, in its categories (the gradients in reduction it does not see)."""
-    state = _State(chunks, plan)
+def compute_steps(program: list[Action]) -> tuple[tuple[str, int, bool], ...]:
+    """A rank's program as what its bytes depend on: each compute action's op, chunk and whether it is of
+    the chunk's last microbatch."""
     last_backward = {a.chunk: a.microbatch for a in program if a.op == BACKWARD}
-    for a in program:
-        if a.op == FORWARD:
-            state.forward(a.chunk)
-        elif a.op == BACKWARD:
-            state.backward(a.chunk, a.microbatch == last_backward[a.chunk])
+    return tuple((a.op, a.chunk, a.microbatch == last_backward.get(a.chunk)) for a in program if a.is_compute)
+
+
+def peak_memory(steps: tuple[tuple[str, int, bool], ...], chunks: list[list[UnitPlan]],
+                plan: ShardingPlan) -> tuple[dict, dict]:
+    """The rank's bytes by category at the peak of their sum over one step of a program (compute_steps),
+    and at the peak of what mem_snapshot_stop_step measures, in its categories (the gradients in reduction
+    it does not see).
+
+    The whole program, without running its steady state over and over: what happens next depends only on
+    the state and the steps to come, so once the state is one seen L steps ago and the last L steps come
+    again, they leave it as it is and sample what they sampled: the repeats are skipped, exactly. (A state
+    recurs at several distances, a steady state's period among them: each is tried, nearest first.)"""
+    state = _State(chunks, plan)
+    defers = any(op == WEIGHT for op, _, _ in steps)
+    seen: dict[tuple, list[int]] = {}
+    i = 0
+    while i < len(steps):
+        signature = state.signature()
+        for earlier in reversed(seen.get(signature, [])):
+            period = i - earlier
+            if steps[i:i + period] == steps[earlier:i]:
+                while steps[i:i + period] == steps[i - period:i]:
+                    i += period
+                break
+        seen.setdefault(signature, []).append(i)
+        if i < len(steps):
+            state.run(*steps[i], defers)
+            i += 1
     return state.peak, state.measured

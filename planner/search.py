@@ -4,8 +4,9 @@ budget ranked by predicted step time (scripts/plan.py).
 The layouts: tp (within a node), cp, pp (an even split, or Megatron's adjusted first and last stages when
 the layers do not divide), one or more virtual stages, dp_shard x dp_replicate (HSDP with one node per
 shard group), microbatch size, layer_ckpt, reshard_after_forward and grad_reduce; sequence parallelism
-whenever tp > 1. Each is checked by the trainer's own rules (trainer/config/rules.py). Memory is the dry
-run's model on the worst pipeline stage; a structure (everything but the last three switches) whose most
+whenever tp > 1. Each row is checked by the trainer's own rules (trainer/config/rules.py) as a run of it
+would be: its real microbatch count and its switches. Memory is the dry run's model over the step's real
+program on the worst pipeline stage; a structure (everything but the last three switches) whose most
 frugal variant does not fit is dropped with all its variants.
 """
 
@@ -94,70 +95,138 @@ def _configure(base: TrainConfig, structure: tuple, variant: tuple, dtype: str) 
                                dry_run=True, world_size=None)
 
 
-def shortened(cfg: TrainConfig, pp: int) -> TrainConfig:
-    """The layout with at most 2 x pp microbatches: past them a stage's peak memory no longer grows (1F1B
-    holds at most pp in flight; the gradient buffers exist from the first backward), and the step time
-    is extrapolated from them (step_time.py)."""
-    micro = min(cfg.num_microbatches, 2 * pp)
-    return dataclasses.replace(cfg, batch_size=micro * cfg.microbatch_size)
+def given_layout(base: TrainConfig, world: int, device: DeviceProfile) -> Candidate:
+    """The overrides' own layout, checked and predicted as a row of the search is (compute_dtype as there)."""
+    cfg = dataclasses.replace(base, compute_dtype=_dtype(base, device))
+    dims = validate(cfg, world)
+    return Candidate(cfg, dims, peak_bytes(cfg, dims), predict(cfg, dims, device, DTYPES[cfg.compute_dtype].itemsize))
 
 
-def peak_bytes(cfg: TrainConfig, dims: ParallelDims) -> int:
-    """The worst pipeline rank's predicted peak, over every rank: the first holds the most microbatches
-    and the last the loss in a loop, but uneven stages give the middle ranks more layers, and zbv's V
-    puts both ends on rank 0 and two receives a batch on the middle ranks."""
-    return max(stage_plan(cfg, dims, r).memory["peak_bytes"] for r in range(dims.pp))
+def _dtype(base: TrainConfig, device: DeviceProfile) -> str:
+    """compute_dtype as a run on the device resolves it (bf16 on a GPU, fp32 on a CPU) unless set."""
+    return base.compute_dtype or ("fp32" if device.name == "cpu" else "bf16")
+
+
+def peak_bytes(cfg: TrainConfig, dims: ParallelDims, above: int | None = None) -> int:
+    """The worst pipeline rank's predicted peak over the step's real program, on every rank: the first
+    holds the most microbatches and the last the loss in a loop, but uneven stages give the middle ranks
+    more layers, and zbv's V puts both ends on rank 0 and two receives a batch on the middle ranks.
+    With `above`, the first rank's peak past it is enough (the ends first): the layout does not fit."""
+    peak = 0
+    for rank in sorted(range(dims.pp), key=lambda r: r not in (0, dims.pp - 1)):
+        peak = max(peak, stage_plan(cfg, dims, rank).memory["peak_bytes"])
+        if above is not None and peak > above:
+            break
+    return peak
 
 
 def _at_least_as_fast(a: tuple, b: tuple) -> bool:
     return all(options.index(x) <= options.index(y) for options, x, y in zip(SWITCHES, a, b))
 
 
+class _Layouts:
+    """Every (structure, variant) configured, and checked by the trainer's validate() as a run of it would
+    be (its real microbatch count, its switches), once and only when asked: a long step's schedule takes
+    seconds to build. A structure's layout comes from a cheaper check, on at most 2 x pp microbatches."""
+
+    def __init__(self, base: TrainConfig, world: int, dtype: str):
+        self.base, self.world, self.dtype = base, world, dtype
+        self.checked: dict[tuple, ParallelDims | ConfigError] = {}
+
+    def configure(self, structure: tuple, variant: tuple) -> TrainConfig:
+        return _configure(self.base, structure, variant, self.dtype)
+
+    def check(self, structure: tuple, variant: tuple, shortened: bool = False) -> ParallelDims | ConfigError:
+        key = (structure, variant, shortened)
+        if key not in self.checked:
+            cfg = self.configure(structure, variant)
+            if shortened:
+                micro = min(cfg.num_microbatches, 2 * cfg.pipeline_parallel_size)
+                cfg = dataclasses.replace(cfg, batch_size=micro * cfg.microbatch_size)
+            try:
+                self.checked[key] = validate(cfg, self.world)
+            except ConfigError as refusal:
+                self.checked[key] = refusal
+        return self.checked[key]
+
+    def dims(self, structure: tuple) -> ParallelDims | ConfigError:
+        """The structure's layout, from its first variant the rules accept on the shortened step (the rules
+        that read the microbatch count wait for check()); else the first refusal."""
+        refusal = None
+        for variant in VARIANTS:
+            result = self.check(structure, variant, shortened=True)
+            if isinstance(result, ParallelDims):
+                return result
+            refusal = refusal or result
+        return refusal
+
+
 def plan_layouts(base: TrainConfig, world: int, global_batch: int, device: DeviceProfile, budget_bytes: int,
                  top: int) -> list[Candidate]:
-    """The `top` fastest fitting layouts, fastest first. Layouts are tried in the order of their compute
-    alone (a bound no step beats), so the search stops once that bound passes the top rows' times.
-    Raises ConfigError when no layout is valid, NothingFits when none fits."""
-    dtype = base.compute_dtype or ("fp32" if device.name == "cpu" else "bf16")
+    """The `top` fastest fitting layouts, fastest first, each one the trainer's rules accept. Layouts are
+    tried in the order of their compute alone (a bound no step beats), so the search stops once that bound
+    passes the top rows' times. Raises ConfigError when no layout is valid, NothingFits when none fits."""
+    dtype = _dtype(base, device)
     dtype_bytes = DTYPES[dtype].itemsize
-    queue = []
-    for structure in structures(base, world, global_batch, device):
-        try:  # the shortened step: the rules that read the microbatch count hold for more of them
-            dims = validate(shortened(_configure(base, structure, VARIANTS[-1], dtype), structure[2]), world)
-        except ConfigError:
-            continue
-        for variant in VARIANTS:
-            cfg = _configure(base, structure, variant, dtype)
-            queue.append((compute_lower_bound(cfg, dims, device, dtype_bytes), len(queue), cfg, dims, structure, variant))
-    valid = bool(queue)
+    layouts, refusals = _Layouts(base, world, dtype), []
+    queue = _queue(layouts, structures(base, world, global_batch, device), device, dtype_bytes, refusals)
     best: list[Candidate] = []
-    closest: Candidate | None = None
-    fits: dict[tuple, list] = {}  # structure -> its fitting variants so far (None: its most frugal overflows)
-    for bound, _, cfg, dims, structure, variant in sorted(queue, key=lambda q: q[:2]):
+    # structure -> its fitting variants so far; None: its most frugal variant, a bound on every other (valid
+    # or not), overflows
+    fits: dict[tuple, list | None] = {}
+    examined: set[tuple] = set()  # the structures with a valid variant whose memory was checked
+    for bound, _, cfg, dims, structure, variant in queue:
         if len(best) >= top and bound >= best[-1].time.step_s:
             break
-        if structure not in fits:
-            frugal = _configure(base, structure, VARIANTS[-1], dtype)
-            peak = peak_bytes(shortened(frugal, dims.pp), dims)
-            fits[structure] = [] if peak <= budget_bytes else None
-            if fits[structure] is None and (closest is None or peak < closest.peak_bytes):
-                closest = Candidate(frugal, dims, peak)
-        if fits[structure] is None or any(_at_least_as_fast(f, variant) for f in fits[structure]):
+        fitting = fits.get(structure, [])
+        if fitting is None or any(_at_least_as_fast(f, variant) for f in fitting):
             continue  # nothing of it fits, or a fitting variant of it is as fast on every switch
-        peak = peak_bytes(shortened(cfg, dims.pp), dims)
-        if peak > budget_bytes:
+        if isinstance(checked := layouts.check(structure, variant), ConfigError):
+            refusals.append(checked)  # checked first: a refused microbatch count may take long to schedule
             continue
-        fits[structure].append(variant)
+        examined.add(structure)
+        peak = peak_bytes(cfg, dims, above=budget_bytes)
+        if peak > budget_bytes:
+            if structure not in fits:  # does anything of it fit? Its most frugal variant says
+                frugal = peak if variant == VARIANTS[-1] else peak_bytes(layouts.configure(structure, VARIANTS[-1]),
+                                                                         dims, above=budget_bytes)
+                fits[structure] = [] if frugal <= budget_bytes else None
+            continue
+        fits.setdefault(structure, []).append(variant)
         best.append(Candidate(cfg, dims, peak, predict(cfg, dims, device, dtype_bytes)))
         best = sorted(best, key=lambda c: c.time.step_s)[:top]
-    fitting = best
-    if not valid:
+    if not examined:
+        what = f"on {world} devices is valid: {refusals[0]}" if refusals else f"divides a world of {world} devices"
         raise ConfigError(f"no layout of model.n_layers={base.model.n_layers}, model.n_heads={base.model.n_heads}, "
-                          f"seq_len={base.seq_len} and a global batch of {global_batch} sequences divides a world "
-                          f"of {world} devices")
-    if not fitting:
-        gib = 2**30
-        raise NothingFits(f"no layout fits {budget_bytes / gib:.1f} GiB per device: the closest needs "
-                          f"{closest.peak_bytes / gib:.1f} GiB ({(closest.peak_bytes - budget_bytes) / gib:.1f} GiB "
-                          f"over): {' '.join(closest.overrides())}")
-    return fitting
+                          f"seq_len={base.seq_len} and a global batch of {global_batch} sequences {what}")
+    if not best:
+        raise NothingFits(_closest(layouts, examined, budget_bytes))
+    return best
+
+
+def _queue(layouts: _Layouts, candidates, device: DeviceProfile, dtype_bytes: int, refusals: list) -> list[tuple]:
+    """(compute bound, order, cfg, dims, structure, variant) of every variant of every structure the rules
+    accept, by their bound."""
+    queue = []
+    for structure in candidates:
+        dims = layouts.dims(structure)
+        if isinstance(dims, ConfigError):
+            refusals.append(dims)
+            continue
+        for variant in VARIANTS:
+            cfg = layouts.configure(structure, variant)
+            queue.append((compute_lower_bound(cfg, dims, device, dtype_bytes), len(queue), cfg, dims, structure, variant))
+    return sorted(queue, key=lambda q: q[:2])
+
+
+def _closest(layouts: _Layouts, examined: set[tuple], budget_bytes: int) -> str:
+    """The message naming the valid layout that comes closest to the budget: the smallest of the valid
+    variants of the structure whose most frugal variant's peak is the smallest."""
+    structure = min(examined, key=lambda s: peak_bytes(layouts.configure(s, VARIANTS[-1]), layouts.dims(s)))
+    dims = layouts.dims(structure)
+    valid = [layouts.configure(structure, v) for v in VARIANTS if isinstance(layouts.check(structure, v), ParallelDims)]
+    peak, cfg = min(((peak_bytes(cfg, dims), cfg) for cfg in valid), key=lambda pc: pc[0])
+    gib = 2**30
+    overrides = " ".join(Candidate(cfg, dims, peak).overrides())
+    return (f"no layout fits {budget_bytes / gib:.1f} GiB per device: the closest needs {peak / gib:.1f} GiB "
+            f"({(peak - budget_bytes) / gib:.1f} GiB over): {overrides}")

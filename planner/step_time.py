@@ -9,7 +9,8 @@ it does not (gloo's threads on the cores the compute runs on):
                 the bytes the other ops (norms, rotary, SwiGLU's product, residual adds, the loss's
                 softmax) read and write over the profile's elementwise bandwidth; the backward twice
                 the forward, plus the recomputed forward of layer_ckpt; TP's and CP's exchanges are
-                added (they sit between the GEMMs); CP's ring overlaps its attention
+                added (they sit between the GEMMs), the recomputed forward's again; CP's ring
+                overlaps its attention
     FSDP        the unit's all-gather (every microbatch under reshard_after_forward, else the first)
                 and, on a reducing microbatch, its reduce-scatter and HSDP's all-reduce
     links       every collective and transfer costs the link's latency plus its bytes over the link's
@@ -67,6 +68,7 @@ class _Costs:
     weight: dict  # unit kind -> its weight-gradient GEMMs of one microbatch (zb_h1's W), seconds
     exchange: float  # per block, forward (the backward exchanges as much again)
     recompute: float  # per block, added to its backward
+    recompute_exchange: float  # per block, the recomputed forward's exchanges, added to its backward
     gather: dict  # unit kind -> all-gather seconds
     reduce: dict  # unit kind -> reduce-scatter seconds (+ HSDP all-reduce on the last microbatch)
     replicas: dict  # unit kind -> HSDP all-reduce seconds (the step's last microbatch)
@@ -96,10 +98,12 @@ def _compute_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile,
     peak = device.flops(dtype_bytes, m.use_fp8)
     attn_params = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
     gemms = rows * 2 * (attn_params + 3 * m.dim * m.ffn_hidden_dim) / tp
-    # Causal attention computes half the score product. Under CP the framework's attention over key
-    # blocks runs the plain formula in fp32 off the CPU (parallel/context_parallel/lse.py), not flash.
+    # Causal attention computes half the score product, in the compute dtype (fp8 is for the linears).
+    # CP's chunk pairs run a fused kernel too, unless efficient_attn=math: the plain formula in fp32
+    # (parallel/context_parallel/kernels.py, pair_kernel).
     attention = rows * 2 * m.n_heads * m.head_dim * cfg.seq_len / tp
-    attention_peak = device.flops(4) if dims.cp > 1 and device.name != "cpu" else peak
+    plain_fp32 = dims.cp > 1 and m.efficient_attn == "math"
+    attention_peak = device.flops(4 if plain_fp32 else dtype_bytes)
     attention_s = attention / (attention_peak * device.efficiency(rows, m.head_dim))
     linears = {"block": gemms / (peak * device.efficiency(rows, min(m.dim, m.ffn_hidden_dim) // tp)),
                "head": rows * 2 * m.dim * m.vocab_size / tp / (device.flops(dtype_bytes)
@@ -128,19 +132,20 @@ def _activation_bytes(cfg: TrainConfig, dims: ParallelDims, dtype_bytes: int) ->
     return cfg.microbatch_size * cfg.seq_len // dims.cp * cfg.model.dim * dtype_bytes
 
 
-def _exchange_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int, attention_s: float) -> float:
-    """Seconds of a block's TP and CP exchanges in one forward (the backward's mirror them)."""
+def _exchange_s(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int,
+                attention_s: float) -> dict[str, float]:
+    """Seconds of a block's TP and of its CP exchanges in one forward (the backward's mirror them)."""
     m, tp, cp, mb = cfg.model, dims.tp, dims.cp, cfg.microbatch_size
     activation = _activation_bytes(cfg, dims, dtype_bytes)
-    exchange = 0.0
+    exchange = {"tp": 0.0, "cp": 0.0}
     if tp > 1:  # two gathers and two reduce-scatters (SP) or two all-reduces, each of an activation's (tp-1)/tp
-        exchange += _transfer_s(device, tp, 4 * activation * (tp - 1) / tp, 4 if m.sequence_parallel else 2)
+        exchange["tp"] = _transfer_s(device, tp, 4 * activation * (tp - 1) / tp, 4 if m.sequence_parallel else 2)
     if cp > 1:  # K and V: two all-gathers, or cp - 1 hops of the ring (which overlap the attention)
         kv = 2 * mb * cfg.seq_len * (m.n_kv_heads // tp) * m.head_dim * dtype_bytes * (cp - 1) / cp
         if cfg.context_parallel_comm == "all_gather":
-            exchange += _transfer_s(device, tp * cp, kv, 2)
+            exchange["cp"] = _transfer_s(device, tp * cp, kv, 2)
         else:
-            exchange += max(0.0, _transfer_s(device, tp * cp, kv, cp - 1) - attention_s)
+            exchange["cp"] = max(0.0, _transfer_s(device, tp * cp, kv, cp - 1) - attention_s)
     return exchange
 
 
@@ -149,6 +154,10 @@ def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_by
     block_forward, head_forward, attention_s, linears = _compute_s(cfg, dims, device, dtype_bytes)
     exchange = _exchange_s(cfg, dims, device, dtype_bytes, attention_s)
     recompute = {"none": 0.0, "full": block_forward, "selective": attention_s}[m.layer_ckpt]
+    # The recomputed forward runs its collectives again: the block's (full), the attention core's CP exchange
+    # (selective: TP's gathers and reductions sit outside the core).
+    recompute_exchange = {"none": 0.0, "full": exchange["tp"] + exchange["cp"],
+                          "selective": exchange["cp"]}[m.layer_ckpt]
     world, r = dims.dp_shard * cp, dims.dp_replicate
     shard_span, replica_span = tp * cp * dims.dp_shard, dims.world_size // dims.pp
     together = dims.pp * cfg.virtual_pipeline_stages == 1 and m.tie_embeddings
@@ -163,8 +172,8 @@ def _costs(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_by
     # Neighbouring pipeline stages are world / pp ranks apart.
     activation = _activation_bytes(cfg, dims, dtype_bytes)
     hop = _transfer_s(device, dims.world_size // dims.pp + 1, activation / (tp if m.sequence_parallel and tp > 1 else 1))
-    return _Costs(block_forward, head_forward, {**linears, "embedding": 0.0}, exchange, recompute, gather, reduce,
-                  replicas, numel, hop)
+    return _Costs(block_forward, head_forward, {**linears, "embedding": 0.0}, exchange["tp"] + exchange["cp"],
+                  recompute, recompute_exchange, gather, reduce, replicas, numel, hop)
 
 
 def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: bool, last: bool,
@@ -178,6 +187,7 @@ def _unit_times(c: _Costs, kinds: list[str], op: str, cfg: TrainConfig, first: b
         exchange = c.exchange if kind == "block" else 0.0
         if op == BACKWARD:
             work = 2 * work + (c.recompute if kind == "block" else 0.0)
+            exchange += c.recompute_exchange if kind == "block" else 0.0
         comm = (c.gather[kind] if gathers else 0.0) + (c.reduce[kind] if reduces else 0.0)
         comm += c.replicas[kind] if reduces and last else 0.0
         total += max(work + exchange, comm) if overlap else work + exchange + comm
@@ -231,7 +241,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
     slowest = max(range(pp), key=lambda r: timeline.busy(r) + extra * steady[r])
     busy = timeline.busy(slowest) + extra * steady[slowest]
     compute = sum(w for a, w in computing.items() if a.rank == slowest) * microbatches / simulated
-    exchange = 2 * c.exchange * microbatches * sum(k.count("block") for k in kinds[slowest])
+    exchange = (2 * c.exchange + c.recompute_exchange) * microbatches * sum(k.count("block") for k in kinds[slowest])
     shard_elements = sum(c.numel[kind] for chunk in kinds[slowest] for kind in chunk) / (dims.dp_shard * dims.cp)
     optimizer = shard_elements * ADAM_BYTES[cfg.optim.fused] / (device.hbm_gbps * 1e9)
     drain = c.reduce["block"] + c.replicas["block"]
