@@ -172,12 +172,14 @@ class Trainer:
         stopping = stop.agreed() and step < cfg.steps
         if self.background is not None:
             self.background.poll()
+        if stopping and self.rank == 0:
+            # Before the save: a restart after a worker died in it must stop too (Slurm warns only once);
+            # the requeued job resumes from the newest complete checkpoint, whichever that is.
+            stop.record(step)
         # With checkpoints on, the last step is saved too: steps past the last multiple of freq are not lost.
         if (cfg.checkpoint.freq and (step % cfg.checkpoint.freq == 0 or step == cfg.steps)) or stopping:
             self.save_checkpoint(step, in_background=not stopping)
         if stopping:
-            if self.rank == 0:
-                stop.record(step)
             self.log(f"stopping after step {step} on SIG{cfg.stop_signal}: run the same command again to resume")
         return stopping
 

@@ -17,7 +17,8 @@ reduce-scatter, so its peers wait in that collective (it prints `stalling at <un
 with POINT `halt` and RANK `all`, every worker raises FloatingPointError as step STEP begins, as an
 agreed nan_policy=halt stop does; with POINT `signal_then_die` (STEP ignored), worker RANK sends itself
 SIGUSR1 as its data preparation begins, long before its first step, and dies once the stopped job has
-saved and written stopped.json.
+saved and written stopped.json; `signal_then_die_saving` likewise, but it dies in the stop's save, once
+its own shard is written.
 The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0): a group torchrun restarts
 runs clean. The product has no fault switches; this file patches the functions it names.
 """
@@ -69,7 +70,7 @@ def arm(point: str, step: int) -> None:
         return train_step(self, s)
 
     StepRunner.train_step = counting_train_step
-    if point == "signal_then_die":
+    if point in ("signal_then_die", "signal_then_die_saving"):
         from trainer import trainer
 
         build_data, train = trainer.build_data, trainer.Trainer.train
@@ -82,7 +83,17 @@ def arm(point: str, step: int) -> None:
             train(*args, **kwargs)
             die(f"{point} after the stop")
 
-        trainer.build_data, trainer.Trainer.train = signalled_build_data, train_then_die
+        trainer.build_data = signalled_build_data
+        if point == "signal_then_die":
+            trainer.Trainer.train = train_then_die
+        else:
+            write_data = FileSystemWriter.write_data
+
+            def write_then_die(self, plan, planner):
+                write_data(self, plan, planner).wait()
+                die(f"{point} in the stop's save")
+
+            FileSystemWriter.write_data = write_then_die
     if point == "stall":
         reduce_scatter = comm.reduce_scatter_tensor
 
@@ -141,7 +152,7 @@ def arm(point: str, step: int) -> None:
 
 def main() -> None:
     point, step, rank = sys.argv[1].split(":")
-    assert point in (*POINTS, "stall", "halt", "signal_then_die", "write_error"), point
+    assert point in (*POINTS, "stall", "halt", "signal_then_die", "signal_then_die_saving", "write_error"), point
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank in ("all", os.environ.get("RANK")):
         arm(point, int(step))
     sys.argv = [str(REPO / "train.py"), *sys.argv[2:]]

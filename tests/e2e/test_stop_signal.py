@@ -54,6 +54,20 @@ def test_a_signal_during_start_up_stops_after_the_first_step_and_a_restart_stops
     assert (dump / "checkpoints" / "step_1" / "manifest.json").is_file()
 
 
+def test_a_worker_dying_in_the_stops_own_save_still_stops_the_restart(tmp_path):
+    """stopped.json is written before the stop's save: a worker that dies in that save (its own shard
+    written, the checkpoint incomplete) leaves it, so torchrun's restart stops at once and the batch script
+    requeues the job, which resumes from the newest complete checkpoint. Written after the save, the
+    restart trained on into the time limit, unrequeued (Slurm warns once)."""
+    dump = tmp_path / "run"
+    proc = train(2, dump, *RUN, fault="signal_then_die_saving:0:1", max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "faulty_train: killing rank 1 at signal_then_die_saving in the stop's save" in proc.stderr
+    assert "an earlier attempt of this job stopped after step 1 on its stop signal" in proc.stdout + proc.stderr
+    assert json.loads((dump / "stopped.json").read_text())["step"] == 1
+    assert not (dump / "checkpoints" / "step_1").exists()
+
+
 def _catches(pid: int, sig: signal.Signals) -> bool:
     status = open(f"/proc/{pid}/status").read()
     caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)

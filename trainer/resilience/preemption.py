@@ -5,9 +5,9 @@ Each rank notes the signal in a handler installed as the process starts (a signa
 preparation, model build or checkpoint load, minutes at scale, stops the job after its first step
 instead of being lost or killing the rank); after every step all ranks agree in one all-reduce (max) over
 the world whether any of them got it (ranks receive a signal at slightly different times, and all must
-stop after the same step). The stopped job saves a checkpoint of that step, writes
-{dump_dir}/stopped.json (the step, the signal and the job: what a batch script reads to requeue itself)
-and exits 0. A job removes an earlier job's stopped.json as soon as it owns the dump_dir, before anything
+stop after the same step). The stopped job writes {dump_dir}/stopped.json (the step, the signal and the
+job: what a batch script reads to requeue itself), then saves a checkpoint of that step (a worker that
+dies in that save leaves the marker for torchrun's restart) and exits 0. A job removes an earlier job's stopped.json as soon as it owns the dump_dir, before anything
 can end it: a job that ends early (nothing left to train) must not leave one behind for its batch
 script to requeue on. A torchrun restart of the same job (a worker failed after the stop) finds its own
 stopped.json and stops at once: training on would end at the time limit, unrequeued. A requeued job
