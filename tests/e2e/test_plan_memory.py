@@ -45,6 +45,9 @@ def test_predicted_peak_memory_matches_measured(tmp_path, name):
         for rank in range(stage["ranks"][0], stage["ranks"][1] + 1):
             report = json.loads((tmp_path / "memory_snapshots" / f"rank{rank}_live_bytes.json").read_text())
             measured = report["peak_bytes"]
+            if rank == stage["ranks"][0]:  # docs/planning.md's table: `pytest -s` prints its rows
+                cells = [f"{stage[k] / 2**20:.1f} / {measured[k] / 2**20:.1f}" for k in (*CATEGORIES, "total")]
+                print(f"| {name} | {rank} | {' | '.join(cells)} |")
             assert abs(stage["total"] / measured["total"] - 1) <= 0.10, (name, rank, stage, measured)
             for key in CATEGORIES:
                 assert abs(stage[key] - measured[key]) <= 0.15 * measured[key], (name, rank, key, stage, measured)
