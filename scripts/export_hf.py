@@ -28,7 +28,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import tempfile  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -130,21 +129,15 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
 def staged(out: Path) -> Iterator[Path]:
     """A hidden folder beside `out` to write into, renamed to `out` once everything is written: an export
     that fails (a full disk) leaves nothing behind that a retry would refuse or transformers would read."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    folder = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)  # one a killed export of this pid left
+    folder.mkdir(parents=True)
     try:
         yield folder
-        folder.chmod(0o777 & ~_umask())  # mkdtemp's 0700 is for the unfinished folder only
         os.replace(folder, out)  # onto a missing or empty `out`
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_weights(ckpt: Path, cfg: TrainConfig, args: ModelArgs, out: Path, dtype: torch.dtype,

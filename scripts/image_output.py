@@ -8,8 +8,10 @@ from pathlib import Path
 def file_problem(path: str) -> str | None:
     """Why no file can be written at `path` (None: one can), checked before anything is written."""
     folder = Path(path).parent
-    if Path(path).is_dir() or not folder.is_dir():
-        return "is a folder: name a file in it" if Path(path).is_dir() else f"its folder {folder} does not exist"
+    if Path(path).is_dir():
+        return "is a folder: name a file in it"
+    if not folder.is_dir():
+        return f"its folder {folder} does not exist"
     return None if os.access(folder, os.W_OK) else f"its folder {folder} is not writable"
 
 

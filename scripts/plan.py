@@ -30,6 +30,7 @@ from parallel.mesh import ParallelDims  # noqa: E402
 from planner.config import compose_config  # noqa: E402
 from planner.devices import load_device  # noqa: E402
 from planner.search import LAYOUT_KEYS, Candidate, given_layout, plan_layouts  # noqa: E402
+from scripts.launch_command import override_key  # noqa: E402
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ def launch_overrides(given: list[str], c: Candidate) -> list[str]:
     """The overrides that launch the row: those given, less what the row sets (and the dry run's keys, which
     would plan instead of train), then the row's layout."""
     replaced = {*LAYOUT_KEYS, "dry_run", "world_size"}
-    kept = [o for o in given if o.split("=", 1)[0].lstrip("+~") not in replaced]
+    kept = [o for o in given if override_key(o) not in replaced]
     return [*kept, *c.overrides()]
 
 

@@ -44,7 +44,7 @@ def check_overrides(overrides: list[str], launch: LaunchEnv, hydra_flags: bool =
     if flags and not hydra_flags:
         exit_on_bad_input(f"{flags[0]} is neither an override (key=value) nor one of this command's flags", launch,
                           code=2)
-    if any(arg.startswith("-") or arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
+    if flags or any(arg.lstrip("+").startswith("hydra.mode=") for arg in overrides):
         return
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
