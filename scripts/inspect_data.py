@@ -37,6 +37,7 @@ from trainer.data.loader import document_starts  # noqa: E402
 from trainer.data.tokenizer import Tokenizer  # noqa: E402
 
 BOS_MARK, EOS_MARK, NEWLINE_MARK, CLIPPED_MARK = "⟨bos⟩", "⟨eos⟩", "↵", "…"
+BOS_OR_EOS_MARK = "⟨bos/eos⟩"  # where they are one token
 DEFAULT_WIDTH = 240
 
 
@@ -55,6 +56,8 @@ class Stats:
     documents_per_sequence: list[int] = field(default_factory=list)
     bos: int = 0
     eos: int = 0
+    bos_or_eos: int = 0  # tokens that are either (once each where bos and eos are one token, GPT-2's)
+    one_token: bool = False  # bos and eos are the same id
 
 
 def compose_config(overrides: list[str], dp: int) -> TrainConfig:
@@ -76,7 +79,7 @@ def inspected(cfg: TrainConfig, data: Data, steps: int) -> list[Sequence]:
 
 
 def gather(sequences: list[Sequence], bos_id: int, eos_id: int) -> Stats:
-    stats = Stats()
+    stats = Stats(one_token=bos_id == eos_id)
     for seq in sequences:
         starts = int(document_starts(torch.from_numpy(seq.ids)[None], bos_id, eos_id).sum())
         stats.tokens[seq.source] += len(seq.ids)
@@ -84,6 +87,7 @@ def gather(sequences: list[Sequence], bos_id: int, eos_id: int) -> Stats:
         stats.documents_per_sequence.append(starts)
         stats.bos += int(np.count_nonzero(seq.ids == bos_id))
         stats.eos += int(np.count_nonzero(seq.ids == eos_id))
+        stats.bos_or_eos += int(np.count_nonzero((seq.ids == bos_id) | (seq.ids == eos_id)))
     return stats
 
 
@@ -111,8 +115,9 @@ def stats_lines(stats: Stats) -> list[str]:
              for source, count in stats.tokens.most_common()]
     lines.append(f"documents per sequence: mean {per_sequence.mean():.2f}, min {per_sequence.min()}, max "
                  f"{per_sequence.max()} (a document counts in the sequence that holds its bos)")
-    lines.append(f"bos/eos: {percent(stats.bos + stats.eos, total_tokens)} of tokens "
-                 f"(bos {percent(stats.bos, total_tokens)}, eos {percent(stats.eos, total_tokens)})")
+    split = ("bos and eos are one token" if stats.one_token else
+             f"bos {percent(stats.bos, total_tokens)}, eos {percent(stats.eos, total_tokens)}")
+    lines.append(f"bos/eos: {percent(stats.bos_or_eos, total_tokens)} of tokens ({split})")
     return lines
 
 
@@ -120,6 +125,8 @@ def marked_text(ids: np.ndarray, tokenizer: Tokenizer) -> str:
     """The tokens as text, each run between two bos/eos decoded on its own (a decoder drops special
     tokens, which would hide where one document ends and the next begins) and each bos and eos a mark."""
     marks = {tokenizer.bos_id: BOS_MARK, tokenizer.eos_id: EOS_MARK}
+    if tokenizer.bos_id == tokenizer.eos_id:
+        marks[tokenizer.bos_id] = BOS_OR_EOS_MARK
     parts, run = [], []
     for token in ids.tolist():
         if token in marks:

@@ -62,8 +62,8 @@ class IndexedDataset:
         self.pointers = np.frombuffer(index, np.int64, sequences, offset + sequences * 4)
         self.document_indices = np.frombuffer(index, np.int64, documents, offset + sequences * 12)
         self._check(where)
-        size = self.bin_path.stat().st_size
-        self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size
+        count = self.bin_path.stat().st_size // self.dtype.itemsize  # stray trailing bytes are never pointed at
+        self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(count,)) if count
                         else np.zeros(0, self.dtype))
 
     def _check(self, where: str) -> None:
@@ -79,6 +79,9 @@ class IndexedDataset:
         if len(ends) and (np.any(self.pointers < 0) or ends.max() > size):
             raise ConfigError(f"{where} points past the end of {self.bin_path} ({size} bytes): not its .bin, or "
                               "a truncated copy")
+        if np.any(self.pointers % self.dtype.itemsize):  # read by token, such a pointer gives shifted bytes
+            raise ConfigError(f"{where} has a sequence pointer that is not a multiple of its {self.dtype.name} "
+                              "token size: not a Megatron index")
 
     @property
     def num_documents(self) -> int:

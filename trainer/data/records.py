@@ -101,14 +101,20 @@ def _text_documents(path: Path, fmt: RecordFormat, count: RecordCount) -> Iterat
         raise ConfigError(f"data.source file {path} is not a readable {compression_of(path)} file ({exc})") from exc
 
 
-def _row_text(value: str | None, where: str, fmt: RecordFormat, count: RecordCount) -> str:
-    """A table row's text; "" for a null row skipped (its column is a string column: only nulls are bad)."""
+def _row_text(value: str | UnicodeDecodeError | None, where: str, fmt: RecordFormat, count: RecordCount) -> str:
+    """A table row's text; "" for a bad row skipped (its column is a string column: only nulls and bytes
+    that are not UTF-8, which a writer that does not validate leaves, are bad)."""
     count.records += 1
-    if value is not None:
+    if isinstance(value, str):
         return value
+    if value is None:
+        reason = f'{where}: its "{fmt.text_key}" is null'
+    else:
+        reason = (f'{where}: its "{fmt.text_key}" is not UTF-8 text ({value.reason} '
+                  f"{value.object[value.start]:#04x} at byte {value.start})")
     if fmt.bad_records == "error":
-        raise BadRecord(f'{where}: its "{fmt.text_key}" is null')
-    count.skip(f'{where}: its "{fmt.text_key}" is null')
+        raise BadRecord(reason)
+    count.skip(reason)
     return ""
 
 

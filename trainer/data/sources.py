@@ -64,7 +64,7 @@ def list_source(source: str | None) -> SourceFiles:
         raise ConfigError(f"data.source={source} is neither a file nor a folder (a pipe, socket or device)")
     if _check_dataset_folder(root, source):
         return SourceFiles([root], [], {})
-    visible = _visible_sources_under(root)
+    visible = _visible_sources_under(root, source)
     files = [path for path in visible if is_source(path)]
     if not files:
         raise ConfigError(f"data.source={source} contains no {KINDS}")
@@ -79,10 +79,10 @@ def check_disjoint(sources: list[str | None]) -> None:
     """One line when two sources of a blend hold the same file under different names (a Megatron prefix
     and its .bin, a folder and a file in it): its documents would be trained on at the sum of both weights,
     and one source's held-out tail could be trained on through the other."""
-    holder: dict[Path, int] = {}
+    holder: dict[tuple[int, int] | Path, int] = {}
     for i, source in enumerate(sources):
         for path in list_source(source).files:
-            real = path.resolve()
+            real = file_identity(path)  # a hard link is the same file under another path
             if real in holder:
                 j = holder[real]
                 raise ConfigError(f"data.source[{j}]={sources[j]} and data.source[{i}]={source} both hold {path}; "
@@ -140,11 +140,16 @@ def _check_dataset_folder(root: Path, source: str) -> bool:
     """Whether `root` is a Hugging Face dataset folder (one source); a DatasetDict's folder is refused."""
     layout = hf_dataset_layout(root)
     if layout == "dataset_dict":
-        splits = sorted(p.name for p in root.iterdir() if hf_dataset_layout(p) == "dataset")
-        raise ConfigError(f"data.source={source} is a Hugging Face DatasetDict (splits: "
-                          f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
-                          f"data.source={root / (splits[0] if splits else 'train')}")
+        _refuse_dataset_dict(root, f"data.source={source} is")
     return layout == "dataset"
+
+
+def _refuse_dataset_dict(folder: Path, what: str) -> None:
+    """A DatasetDict holds its test and validation splits beside train: read whole, they would be trained on."""
+    splits = sorted(p.name for p in folder.iterdir() if hf_dataset_layout(p) == "dataset")
+    example = "train" if "train" in splits or not splits else splits[0]
+    raise ConfigError(f"{what} a Hugging Face DatasetDict (splits: {', '.join(splits) or 'none'}), whose "
+                      f"held-out splits would be trained on; name one split's folder, e.g. data.source={folder / example}")
 
 
 def _check_pairs(visible: list[Path], files: list[Path], source: str) -> None:
@@ -163,14 +168,20 @@ def _once_each(files: list[Path]) -> tuple[list[Path], dict[Path, Path]]:
     names read and, for each name dropped, the name its file is read under."""
     first_name, once, links = {}, [], {}
     for path in files:
-        stat = path.stat()
-        identity = (stat.st_dev, stat.st_ino) if stat.st_ino else path.resolve()  # 0: no inode numbers
+        identity = file_identity(path)
         if identity in first_name:
             links[path] = first_name[identity]
         else:
             first_name[identity] = path
             once.append(path)
     return once, links
+
+
+def file_identity(path: Path) -> tuple[int, int] | Path:
+    """What tells files apart whatever their names (hard links, symlinks): the device and inode, or the
+    resolved path where the filesystem gives no inode numbers (0)."""
+    stat = path.stat()
+    return (stat.st_dev, stat.st_ino) if stat.st_ino else path.resolve()
 
 
 def reads_keyed_records(files: list[Path]) -> bool:
@@ -188,12 +199,12 @@ def _relative_name(root: Path, path: Path) -> str:
     return str(path.relative_to(root))
 
 
-def _visible_sources_under(root: Path) -> list[Path]:
+def _visible_sources_under(root: Path, source: str) -> list[Path]:
     """Every file under `root` outside hidden folders (.git, .venv, .cache hold tooling, not training
     text), and every Hugging Face dataset folder (one source, not descended into), following symlinked
     folders as a corpus assembled from links needs; each real folder is read once, so a link loop ends,
     under the first of its names in sorted order (the walk visits subfolders sorted, so the names, and
-    the document order, do not depend on the filesystem)."""
+    the document order, do not depend on the filesystem). A DatasetDict's folder under `root` is refused."""
     seen, found = set(), []
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -202,7 +213,11 @@ def _visible_sources_under(root: Path) -> list[Path]:
             continue
         seen.add(real)
         subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        datasets = [name for name in subfolders if hf_dataset_layout(Path(folder) / name) == "dataset"]
+        layouts = {name: hf_dataset_layout(Path(folder) / name) for name in subfolders}
+        for name in subfolders:
+            if layouts[name] == "dataset_dict":
+                _refuse_dataset_dict(Path(folder) / name, f"data.source={source} holds {Path(folder) / name},")
+        datasets = [name for name in subfolders if layouts[name] == "dataset"]
         found.extend(Path(folder) / name for name in datasets)
         subfolders[:] = [name for name in subfolders if name not in datasets]
         found.extend(p for name in names if not name.startswith(".") and (p := Path(folder) / name).is_file())

@@ -16,6 +16,7 @@ PARQUET_MAGIC = b"PAR1"
 DATASET_FILES = ("dataset_info.json", "state.json")  # what save_to_disk writes beside the .arrow files
 DATASET_DICT_FILE = "dataset_dict.json"  # a DatasetDict's folder: one dataset folder per split
 _ROWS_PER_BATCH = 1024
+_STRING_TYPES = ("string", "large_string", "string_view")
 _SHOWN_COLUMNS = 10
 
 
@@ -66,13 +67,40 @@ def _check_column(where: str, key: str, names: list[str], type_name: str | None)
     if key not in names:
         raise ConfigError(f'{where} has no "{key}" column (its columns: {_columns_line(names) or "none"}); '
                           f"set data.text_key to the one holding the text")
-    if type_name not in ("string", "large_string", "string_view"):
+    if type_name not in _STRING_TYPES and not _is_string_dictionary(type_name):
         raise ConfigError(f'{where}: its "{key}" column holds {type_name}, not strings; set data.text_key to '
                           f"the one holding the text")
 
 
-def parquet_rows(path: Path, key: str) -> Iterator[tuple[int, str | None]]:
-    """(row number, the row's `key` string or None for a null) of one Parquet file, in row order."""
+def _is_string_dictionary(type_name: str | None) -> bool:
+    """A dictionary-encoded string column (pandas' categorical text): its values are strings too."""
+    return type_name is not None and type_name.startswith(tuple(f"dictionary<values={t}," for t in _STRING_TYPES))
+
+
+def _column_texts(column) -> list[str | UnicodeDecodeError | None]:
+    """A string column's values; a value that is not UTF-8 (its writer did not validate) comes as its decoding
+    error, a bad record for the caller, where converting the column whole would fail without naming the row."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        binary = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}.get(column.type, pa.binary_view())
+        return [value if value is None else _utf8_text(value) for value in column.cast(binary).to_pylist()]
+
+
+def _utf8_text(value: bytes) -> str | UnicodeDecodeError:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc
+
+
+def parquet_rows(path: Path, key: str) -> Iterator[tuple[int, str | UnicodeDecodeError | None]]:
+    """(row number, the row's `key` string, why it is not UTF-8, or None for a null) of one Parquet file, in
+    row order."""
     pa = _package("pyarrow", "Parquet files")
     parquet = _package("pyarrow.parquet", "Parquet files")
     where = f"data.source file {path}"
@@ -86,15 +114,16 @@ def parquet_rows(path: Path, key: str) -> Iterator[tuple[int, str | None]]:
     row = 0
     try:
         for batch in table.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[key]):
-            for value in batch.column(0).to_pylist():
+            for value in _column_texts(batch.column(0)):
                 yield row, value
                 row += 1
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError(f"{where} cannot be read past row {row} ({exc})") from exc
 
 
-def dataset_rows(folder: Path, key: str) -> Iterator[tuple[int, str | None]]:
-    """(row number, the row's `key` string or None) of a dataset folder written by save_to_disk."""
+def dataset_rows(folder: Path, key: str) -> Iterator[tuple[int, str | UnicodeDecodeError | None]]:
+    """(row number, the row's `key` string, why it is not UTF-8, or None, as parquet_rows) of a dataset
+    folder written by save_to_disk."""
     datasets = _package("datasets", "Hugging Face dataset folders")
     where = f"data.source dataset {folder}"
     try:
@@ -105,6 +134,6 @@ def dataset_rows(folder: Path, key: str) -> Iterator[tuple[int, str | None]]:
     _check_column(where, key, list(dataset.column_names), getattr(feature, "dtype", type(feature).__name__))
     row = 0
     for batch in dataset.select_columns([key]).with_format("arrow").iter(batch_size=_ROWS_PER_BATCH):
-        for value in batch.column(0).to_pylist():
+        for value in _column_texts(batch.column(0)):
             yield row, value
             row += 1

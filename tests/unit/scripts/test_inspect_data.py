@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.inspect_data import BOS_MARK, EOS_MARK, NEWLINE_MARK, main
+from scripts.inspect_data import BOS_MARK, EOS_MARK, NEWLINE_MARK, Sequence, gather, main, stats_lines
 from tests import REPO
 from tests.unit.conftest import write_corpus
 from trainer.data.sampler import GlobalBatchSampler, split_windows
@@ -83,6 +83,17 @@ def test_a_shown_sequence_is_the_decode_of_its_window(inspected) -> None:
         marks = [BOS_MARK if window[s] == tokenizer.bos_id else EOS_MARK for s in specials]
         assert re.findall(f"{BOS_MARK}|{EOS_MARK}", text) == marks
         assert re.split(f"{BOS_MARK}|{EOS_MARK}", text) == [t.replace("\n", NEWLINE_MARK) for t in expected]
+
+
+def test_a_bos_that_is_also_the_eos_counts_once() -> None:
+    """GPT-2's <|endoftext|> is bos and eos: each such token is one of the tokens, not two (100% before)."""
+    end = 0
+    two_documents = np.array([end, 5, 6, end, end, 7, 8, end])
+    lines = stats_lines(gather([Sequence(0, 0, "src", two_documents)], end, end))
+    assert lines[-1] == "bos/eos: 50.0% of tokens (bos and eos are one token)"
+    assert lines[-2].startswith("documents per sequence: mean 2.00,")
+    lines = stats_lines(gather([Sequence(0, 0, "src", np.array([1, 5, 6, 2, 1, 7, 8, 2]))], 1, 2))
+    assert lines[-1] == "bos/eos: 50.0% of tokens (bos 25.0%, eos 25.0%)"
 
 
 def test_a_long_sequence_is_clipped_to_the_width(inspected, capsys, tmp_path) -> None:

@@ -11,8 +11,7 @@ from tests.source_kinds import write_megatron
 from trainer.data import prepare as data_module
 from trainer.data.prepare import prepare_dataset
 from trainer.data.records import iter_documents
-from trainer.data.sources import (check_disjoint, list_source,
-                                  sources_fingerprint)
+from trainer.data.sources import check_disjoint, list_source, sources_fingerprint
 
 
 class _Stop(Exception):
@@ -113,8 +112,12 @@ def test_blend_sources_that_hold_the_same_file_under_other_names_are_refused(tmp
     (folder / "a.jsonl").write_text('{"text": "one"}\n')
     (folder / "b.txt").write_text("two")
     check_disjoint([prefix, str(folder), None])  # three different sources
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(folder / "b.txt", linked / "b.txt")  # a hard link: another path, the same file
     for sources, shared in (([prefix, str(bin_path)], bin_path), ([prefix + ".idx", prefix], bin_path),
-                            ([str(folder), str(folder / "a.jsonl")], folder / "a.jsonl")):
+                            ([str(folder), str(folder / "a.jsonl")], folder / "a.jsonl"),
+                            ([str(folder), str(linked)], linked / "b.txt")):
         with pytest.raises(ConfigError) as info:
             check_disjoint(sources)
         message = str(info.value)

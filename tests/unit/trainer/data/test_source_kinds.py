@@ -53,6 +53,36 @@ def test_parquet_packs_the_text_key_column(tmp_path, tokenizer, expected) -> Non
         _pack(ints, tokenizer, tmp_path / "c")
 
 
+def test_a_dictionary_encoded_text_column_is_read_as_strings(tmp_path, tokenizer, expected) -> None:
+    """pandas writes a categorical text column dictionary-encoded: its values are strings all the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array(DOCUMENTS).dictionary_encode()}), tmp_path / "dict.parquet")
+    assert _pack(tmp_path / "dict.parquet", tokenizer, tmp_path / "c") == expected
+
+
+def test_a_parquet_row_that_is_not_utf8_is_a_bad_record_named_by_its_row(tmp_path, tokenizer) -> None:
+    """A writer that does not validate can leave bytes that are not UTF-8 in a string column: one bad record
+    (named, skippable), where converting the batch whole failed with a decoding traceback naming nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = [d.encode() for d in DOCUMENTS[:7]] + [b"bad \xff text"] + [d.encode() for d in DOCUMENTS[7:]]
+    offsets = np.cumsum([0] + [len(v) for v in values]).astype(np.int32)
+    column = pa.Array.from_buffers(pa.string(), len(values), [None, pa.py_buffer(offsets.tobytes()),
+                                                              pa.py_buffer(b"".join(values))])
+    pq.write_table(pa.table({"text": column}), tmp_path / "bytes.parquet")
+    with pytest.raises(ConfigError, match=r'bytes\.parquet row 7: its "text" is not UTF-8 text \(invalid start '
+                                          r"byte 0xff at byte 4\)$"):
+        _pack(tmp_path / "bytes.parquet", tokenizer, tmp_path / "c")
+    logs: list[str] = []
+    skipped = _pack(tmp_path / "bytes.parquet", tokenizer, tmp_path / "c", logs, bad_records="skip",
+                    max_bad_fraction=0.05)
+    assert skipped == _pack(write_parquet(tmp_path / "good.parquet", DOCUMENTS), tokenizer, tmp_path / "c")
+    assert any("skipped 1 bad record(s) of 42" in line and "row 7" in line for line in logs), logs
+
+
 def test_a_null_parquet_row_is_a_bad_record_named_by_its_row(tmp_path, tokenizer) -> None:
     documents = DOCUMENTS[:20] + [None] + DOCUMENTS[20:]
     source = write_parquet(tmp_path / "nulls.parquet", documents)
@@ -77,9 +107,15 @@ def test_a_dataset_dict_names_its_splits_and_one_split_is_read(tmp_path, tokeniz
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCUMENTS}),
                           "test": datasets.Dataset.from_dict({"text": DOCUMENTS[:2]})}).save_to_disk(str(folder))
     with pytest.raises(ConfigError, match=rf"data\.source={folder} is a Hugging Face DatasetDict \(splits: test, "
-                                          rf"train\); name one split's folder, e.g\. data\.source={folder}/test$"):
+                                          rf"train\), whose held-out splits would be trained on; name one split's "
+                                          rf"folder, e.g\. data\.source={folder}/train$"):
         list_source(str(folder))
     assert _pack(folder / "train", tokenizer, tmp_path / "c") == expected
+    # Inside a searched folder too: walked into, its test split would have been packed first.
+    (tmp_path / "notes.txt").write_text("some text")
+    with pytest.raises(ConfigError, match=rf"data\.source={tmp_path} holds {folder}, a Hugging Face DatasetDict "
+                                          rf"\(splits: test, train\)"):
+        list_source(str(tmp_path))
 
 
 @pytest.mark.parametrize("dtype, eod, sequences", [(np.uint16, True, 1), (np.uint16, False, 3),
@@ -118,6 +154,24 @@ def test_megatron_pairs_are_checked_in_one_line(tmp_path, tokenizer) -> None:
     wide.with_suffix(".idx").write_bytes(b"not an index at all")
     with pytest.raises(ConfigError, match=r"wide\.idx is not a Megatron index"):
         _pack(wide, tokenizer, tmp_path / "c")
+
+
+def test_a_megatron_bin_with_a_stray_trailing_byte_reads_its_documents(tmp_path) -> None:
+    """Nothing points at a trailing byte (a copy padded by some tool): the documents read as before, where
+    mapping the whole .bin as tokens failed with numpy's size error naming no file. A pointer that is not
+    a multiple of the token size would read shifted bytes as tokens: refused."""
+    from trainer.data.megatron_indexed import IndexedDataset
+
+    bin_path = write_megatron(tmp_path / "c", [[5, 6, 7], [8, 9]], np.uint16)
+    bin_path.write_bytes(bin_path.read_bytes() + b"\x00")
+    assert [ids.tolist() for ids in IndexedDataset(bin_path).documents()] == [[5, 6, 7], [8, 9]]
+    index = bytearray(bin_path.with_suffix(".idx").read_bytes())
+    second_pointer = 9 + 8 + 1 + 8 + 8 + 2 * 4 + 8  # header, then 2 lengths (int32), then pointers (int64)
+    index[second_pointer] += 1
+    bin_path.with_suffix(".idx").write_bytes(bytes(index))
+    with pytest.raises(ConfigError, match=r"c\.idx has a sequence pointer that is not a multiple of its uint16 "
+                                          r"token size: not a Megatron index$"):
+        IndexedDataset(bin_path)
 
 
 def test_an_unknown_kind_is_one_line_naming_the_kinds(tmp_path) -> None:
