@@ -3,6 +3,7 @@ new token is one forward step through the KV cache (model/kv_cache.py). Temperat
 (argmax); otherwise tokens are sampled with a temperature and top-p (nucleus) filter."""
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +38,18 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """The token that follows, from the last position's logits [vocab]."""
     if sampling.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    logits = logits.float()
+    # Shifted first: a tiny temperature turns the top logit into 0 and the rest into -inf, never inf - inf.
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     return int(torch.multinomial(top_p_filter(probs, sampling.top_p), 1, generator=generator))
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, stop_id: int | None,
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, stop_ids: Collection[int],
              sampling: Sampling = Sampling(), vocab_size: int | None = None) -> list[int]:
-    """The ids that follow `prompt`: up to max_new_tokens, ending early with `stop_id` (included) when it
-    is generated. Only ids below `vocab_size` (the tokenizer's; the model's table may be padded past it)
-    are ever chosen."""
+    """The ids that follow `prompt`: up to max_new_tokens, ending early with one of `stop_ids` (included)
+    when it is generated. Only ids below `vocab_size` (the tokenizer's; the model's table may be padded
+    past it) are ever chosen."""
     if not prompt:
         raise ValueError("generation needs a prompt of at least one token")
     if max_new_tokens <= 0:
@@ -59,6 +62,6 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, stop_id
     while True:
         logits = forward_cached(model, tokens, cache)[0, -1, :vocab_size].float().cpu()
         new.append(next_token(logits, sampling, generator))
-        if new[-1] == stop_id or len(new) == max_new_tokens:
+        if new[-1] in stop_ids or len(new) == max_new_tokens:
             return new
         tokens = torch.tensor([[new[-1]]], device=device)

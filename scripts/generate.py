@@ -5,7 +5,8 @@ Face folder (config.json, safetensors, tokenizer files); its own tokenizer encod
 first where the tokenizer's models expect one) and decodes the completion. The model runs on one GPU
 in bf16 when CUDA is available, else on the CPU in fp32, with a KV cache (model/kv_cache.py).
 Temperature 0 is greedy; otherwise top-p sampling from a generator seeded with --seed, so a run is
-reproducible. Generation stops after --max-new-tokens or at the tokenizer's eos.
+reproducible. Generation stops after --max-new-tokens, or at the tokenizer's eos or another eos id the
+model's folder declares (an instruct model's end of turn: model_folder.stop_ids).
 
 Only the completion (the new text, without the eos) goes to stdout, with no newline added, so it can be
 piped; errors are one line on stderr, with exit code 2. The text of a special token in the prompt is text,
@@ -22,13 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
+from collections.abc import Collection  # noqa: E402
 
 import torch  # noqa: E402
 
 from model.generate import Sampling, generate  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.errors import ConfigError  # noqa: E402
-from trainer.checkpoint.model_folder import load_model  # noqa: E402
+from trainer.checkpoint.model_folder import load_model, stop_ids  # noqa: E402
 from trainer.data.tokenizer import Tokenizer, encode_with_special_tokens  # noqa: E402
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -49,17 +51,25 @@ def spelled_special_token(tokenizer: Tokenizer, prompt: str) -> str | None:
 
 
 def generate_ids(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 sampling: Sampling = Sampling(), special_tokens: bool = False) -> list[int]:
-    """The ids generated after `prompt`, the tokenizer's eos included where generation stopped at it."""
+                 sampling: Sampling = Sampling(), special_tokens: bool = False,
+                 stops: Collection[int] | None = None) -> list[int]:
+    """The ids generated after `prompt`, the stop id included where generation stopped at one (`stops`:
+    model_folder.stop_ids; None: the tokenizer's eos)."""
     ids = prompt_ids(tokenizer, prompt, special_tokens)
     if not ids:
         raise ConfigError("--prompt is empty and the tokenizer starts no text with bos: there is nothing to continue")
-    return generate(model, ids, max_new_tokens, tokenizer.eos_id, sampling, tokenizer.vocab_size)
+    stops = [tokenizer.eos_id] if stops is None else stops
+    return generate(model, ids, max_new_tokens, stops, sampling, tokenizer.vocab_size)
 
 
-def completion(tokenizer: Tokenizer, ids: list[int]) -> str:
-    """The text of generated ids, without the eos that ended them."""
-    return tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
+def completion(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stops: Collection[int] | None = None) -> str:
+    """The text generated ids add to the prompt's, without the stop id that ended them. Decoded after the
+    prompt, not alone: a decoder that drops a text's leading space (sentencepiece's, Llama 2's and
+    Mistral's tokenizer.json) would print "Paris" for the ids of " Paris"."""
+    stops = [tokenizer.eos_id] if stops is None else stops
+    ids = ids[:-1] if ids and ids[-1] in stops else ids
+    before, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
+    return whole[len(before):] if whole.startswith(before) else tokenizer.decode(ids)
 
 
 def _sampling(opts: argparse.Namespace) -> Sampling:
@@ -95,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         if spelled:
             print(f"note: the prompt spells {spelled}, read as text; --special-tokens reads it as the token",
                   file=sys.stderr, flush=True)
-        ids = generate_ids(model, tokenizer, opts.prompt, opts.max_new_tokens, sampling, opts.special_tokens)
+        stops = stop_ids(opts.path, tokenizer)
+        ids = generate_ids(model, tokenizer, opts.prompt, opts.max_new_tokens, sampling, opts.special_tokens, stops)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    sys.stdout.buffer.write(completion(tokenizer, ids).encode())  # UTF-8 whatever the terminal's locale
+    text = completion(tokenizer, prompt_ids(tokenizer, opts.prompt, opts.special_tokens), ids, stops)
+    sys.stdout.buffer.write(text.encode())  # UTF-8 whatever the terminal's locale
     sys.stdout.flush()
     return 0
 

@@ -136,6 +136,12 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
          f"rms_norm_eps=1e-06 vs model.norm_eps={args.norm_eps}"),
         ("dropout", lambda c: c | {"attention_dropout": 0.1},
          "config.json has attention_dropout=0.1; this model supports only 0.0"),
+        # Heads wider than hidden_size / num_attention_heads (Minitron's): transformers builds it, this model cannot.
+        ("head_dim", lambda c: c | {"head_dim": 2 * c["hidden_size"] // c["num_attention_heads"]},
+         f"config.json has head_dim={2 * args.head_dim}; this model supports only hidden_size / num_attention_heads"),
+        # A quantized release: its weights stored quantized beside their scales, which an import would leave out.
+        ("quantized", lambda c: c | {"quantization_config": {"quant_method": "fbgemm_fp8"}},
+         "config.json has a quantization_config ('fbgemm_fp8'"),
     ):
         tiny_llama(tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
@@ -152,6 +158,12 @@ def test_a_folder_that_does_not_describe_the_model_is_one_line(tmp_path):
         (tmp_path / name / "model.safetensors").unlink()
         (tmp_path / name / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         cases[name] = "model.safetensors.index.json's weight_map is not an object of tensor name: file name"
+    for dtype, name in ((torch.float8_e4m3fn, "F8_E4M3"), (torch.int8, "I8")):  # quantized, config.json silent
+        tiny_llama(tmp_path / name)
+        tensors = load_file(tmp_path / name / "model.safetensors")
+        tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].to(dtype)
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        cases[name] = f"tensor model.layers.0.self_attn.q_proj.weight is {name}, not a floating-point weight"
     tied = dataclasses.replace(args, tie_embeddings=True)
     tiny_llama(tmp_path / "tied", tie_word_embeddings=True)  # ships no lm_head: the embedding is the head
     cases["tied"] = "tie_word_embeddings=True vs model.tie_embeddings=False"

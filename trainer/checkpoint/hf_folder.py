@@ -47,6 +47,10 @@ _UNSUPPORTED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": 
                 "attention_dropout": (0.0,)}
 
 
+# The safetensors dtypes a weight may be stored in; float8 and integers are quantized values that need scales.
+_WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
 # What transformers' LlamaConfig takes for these fields when config.json leaves them out (the number of
 # key/value heads defaults to the number of heads).
 _LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
@@ -90,9 +94,12 @@ def check_tensor_shapes(folder: Path, args: ModelArgs) -> None:
     the head, transformers 5 the lm_head.weight where the two differ."""
     files = tensor_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for path in sorted(set(files.values())):
         with open_safetensors(folder, path) as f:
-            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path}
+            mine = [name for name in f.keys() if files.get(name) == path]
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in mine}
+            dtypes |= {name: f.get_slice(name).get_dtype() for name in mine}
     head = hf_names(TIED_COPY)[0]
     if args.tie_embeddings and head in shapes:
         raise ConfigError(f"{KEY}={folder}: tie_word_embeddings=true, but it ships {head} too, which transformers 5 "
@@ -104,16 +111,28 @@ def check_tensor_shapes(folder: Path, args: ModelArgs) -> None:
         if shapes[name] != expected:
             raise ConfigError(f"{KEY}={folder}: tensor {name} has shape {list(shapes[name])}, the configured "
                               f"model needs {list(expected)}")
+        if dtypes[name] not in _WEIGHT_DTYPES:  # a quantized value read as a weight, its scale left out
+            raise ConfigError(f"{KEY}={folder}: tensor {name} is {dtypes[name]}, not a floating-point weight "
+                              f"({', '.join(_WEIGHT_DTYPES)}): a quantized checkpoint does not import")
 
 
 def check_supported(config: dict, folder: Path) -> None:
     """config.json asks for nothing this model lacks: one line naming the field otherwise."""
     if config.get("model_type") not in (None, "llama"):
         raise ConfigError(f"{KEY}={folder}: model_type is {config['model_type']!r}, only 'llama' imports")
+    if config.get("quantization_config") is not None:  # its weights are stored quantized, beside their scales
+        method = config["quantization_config"]
+        method = method.get("quant_method", "unnamed") if isinstance(method, dict) else method
+        raise ConfigError(f"{KEY}={folder}: config.json has a quantization_config ({method!r}): a quantized "
+                          "checkpoint does not import; use the unquantized release")
     for field, implied in _UNSUPPORTED.items():
         if config.get(field, implied[0]) not in implied:
             raise ConfigError(f"{KEY}={folder}: config.json has {field}={config[field]!r}; this model supports "
                               f"only {' or '.join(map(repr, implied))}")
+    hidden, heads, head_dim = (config.get(k) for k in ("hidden_size", "num_attention_heads", "head_dim"))
+    if all(type(n) is int and n > 0 for n in (hidden, heads)) and head_dim not in (None, hidden // heads):
+        raise ConfigError(f"{KEY}={folder}: config.json has head_dim={head_dim!r}; this model supports only "
+                          f"hidden_size / num_attention_heads ({hidden // heads})")
     for field in _ROPE_FIELDS:
         kind = _rope_kind(config.get(field) or {})
         if kind not in _ROPE_KINDS:
@@ -141,9 +160,18 @@ def model_keys(config: dict, folder: Path) -> dict[str, object]:
     check_supported(config, folder)
     config = _with_defaults(config, folder)
     keys = {key: config.get(field) for key, field in _KEY_FIELDS.items()}
-    llama3 = [rope for field in _ROPE_FIELDS if _rope_kind(rope := config.get(field) or {}) == "llama3"]
-    keys["rope_scaling"] = {"type": "llama3", **_llama3_fields(llama3[0], config)} if llama3 else None
+    described = [_rope_description(config[field], config) for field in _ROPE_FIELDS if config.get(field)]
+    if len(described) == 2 and described[0] != described[1]:
+        raise ConfigError(f"{KEY}={folder}: config.json's rope_scaling describes {described[0] or 'the default RoPE'}, "
+                          f"its rope_parameters {described[1] or 'the default RoPE'} (transformers 5 reads only "
+                          "rope_scaling): make them agree or drop one")
+    keys["rope_scaling"] = described[0] if described else None
     return keys
+
+
+def _rope_description(rope: dict, config: dict) -> dict[str, object] | None:
+    """A RoPE object as a model.rope_scaling group: None for the default RoPE."""
+    return {"type": "llama3", **_llama3_fields(rope, config)} if _rope_kind(rope) == "llama3" else None
 
 
 def check_architecture(config: dict, args: ModelArgs, folder: Path) -> None:

@@ -22,6 +22,7 @@ from parallel.errors import ConfigError
 from trainer.checkpoint.files import MANIFEST, checkpoint_files_problem, latest_checkpoint
 from trainer.checkpoint.hf_folder import KEY, check_tensor_shapes, model_keys, read_hf_config
 from trainer.checkpoint.hf_import import HFReader
+from trainer.checkpoint.hf_origin import read_origin_config
 from trainer.checkpoint.state import load_full_weights
 from trainer.config.rules import check_model_config
 from trainer.config.schema import TrainConfig, from_dict
@@ -29,6 +30,7 @@ from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.outputs import CHECKPOINTS_DIR, CONFIG_FILE
 
 HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"  # transformers' generate reads its eos ids there
 CHECKPOINT, HF = "checkpoint", "Hugging Face folder"
 Weights = dict[str, torch.Tensor]
 
@@ -75,6 +77,33 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Tr
         model = Transformer(dataclasses.replace(args, use_fp8=False))
     model.load_state_dict(weights, assign=True)
     return model.to(device, dtype).eval(), tokenizer
+
+
+def stop_ids(path: Path, tokenizer: Tokenizer) -> list[int]:
+    """The ids generation ends at: the tokenizer's eos, and each eos id the model's folder declares (an
+    instruct model's list: Llama 3.1's end of turn and end of message beside the end of text), in a
+    Hugging Face folder's config.json and generation_config.json, as transformers reads them, or in the
+    config.json a checkpoint's run started from."""
+    if folder_kind(path) == CHECKPOINT:
+        configs = [read_origin_config(path) or {}]
+    else:
+        configs = [_json_object(path / name) for name in (HF_CONFIG, HF_GENERATION_CONFIG)]
+    ids = [tokenizer.eos_id]
+    for config in configs:
+        declared = config.get("eos_token_id")
+        for i in declared if isinstance(declared, list) else [declared]:
+            if type(i) is int and 0 <= i < tokenizer.vocab_size and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's object; {} for a file that is missing, unreadable or holds something else."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _from_checkpoint(path: Path) -> tuple[ModelArgs, Weights, Tokenizer]:

@@ -25,7 +25,8 @@ from tests import REPO
 from tests.llama3_folder import ROPE, learned_ranks, llama31_folder, write_hf_tokenizer, write_tiktoken
 from tests.source_kinds import train_small_tokenizer
 from trainer.checkpoint.files import save_checkpoint
-from trainer.checkpoint.model_folder import load_model
+from trainer.checkpoint.hf_origin import ORIGIN_FILE
+from trainer.checkpoint.model_folder import load_model, stop_ids
 from trainer.config.schema import from_dict
 from trainer.data.tokenizer import encode_with_special_tokens, load_tokenizer
 from trainer.outputs import CONFIG_FILE
@@ -79,7 +80,7 @@ def test_a_tied_model_decodes_with_the_embedding_as_its_head(llama31, tmp_path: 
 def test_the_command_prints_the_completion_alone(llama31) -> None:
     folder, _ = llama31
     model, tokenizer = load_model(folder, CPU, FP32)
-    expected = completion(tokenizer, generate_ids(model, tokenizer, PROMPT, 8))
+    expected = completion(tokenizer, prompt_ids(tokenizer, PROMPT), generate_ids(model, tokenizer, PROMPT, 8))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the fp32 CPU run the ids above come from
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(folder), "--prompt", PROMPT,
                            "--max-new-tokens", "8"], cwd=REPO, env=env, capture_output=True, timeout=300)
@@ -95,6 +96,8 @@ def test_sampling_is_reproducible_and_top_p_filters(llama31) -> None:
 
     greedy, first = generate_ids(model, tokenizer, PROMPT, 16), sample(0)
     assert sample(0) == first and sample(1) != first and first != greedy
+    # A temperature so small that the logits over it overflow: the top token, as greedy (it drew from NaNs).
+    assert sample(0, temperature=1e-40) == greedy
     # A nucleus that only the most likely token fills is greedy, whatever the temperature.
     assert sample(0, temperature=2.0, top_p=1e-6) == greedy
     probs = torch.tensor([0.125, 0.5, 0.375])
@@ -187,3 +190,58 @@ def test_the_command_notes_a_special_tokens_text_read_as_text(llama31, capsys) -
                                        "as the token\n")
     assert main([folder, "--prompt", "x<|eot_id|>", "--max-new-tokens", "1", "--special-tokens"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_generation_stops_at_each_eos_id_the_folder_declares(llama31, tmp_path: Path) -> None:
+    """An instruct model's eos list (config.json or generation_config.json, as transformers' generate reads
+    them; a checkpoint carries its run's folder's config.json): generation ends at any of them, as
+    transformers' does. It ran on past every id but the tokenizer's eos before."""
+    folder, hf = llama31
+    model, tokenizer = load_model(folder, CPU, FP32)
+    assert stop_ids(folder, tokenizer) == [tokenizer.eos_id]
+    greedy = generate_ids(model, tokenizer, PROMPT, NEW_TOKENS)
+    assert tokenizer.eos_id not in greedy
+    listed = greedy[5]  # the sixth id, taken as an end of turn
+    stop_at = greedy.index(listed)
+    inputs = torch.tensor([prompt_ids(tokenizer, PROMPT)])
+    expected = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=NEW_TOKENS,
+                           pad_token_id=tokenizer.eos_id, eos_token_id=[tokenizer.eos_id, listed])
+    assert expected[0, inputs.shape[1]:].tolist() == greedy[: stop_at + 1]
+    for name in ("config.json", "generation_config.json"):
+        copy = tmp_path / name.split(".")[0]
+        copy.mkdir()
+        for file in folder.iterdir():
+            if file.is_file():
+                (copy / file.name).write_bytes(file.read_bytes())
+        config = json.loads((copy / "config.json").read_text()) if name == "config.json" else {}
+        (copy / name).write_text(json.dumps(config | {"eos_token_id": [tokenizer.eos_id, listed, "x", 10**9]}))
+        stops = stop_ids(copy, tokenizer)
+        assert stops == [tokenizer.eos_id, listed]  # what is not an id of the tokenizer is left out
+        assert generate_ids(model, tokenizer, PROMPT, NEW_TOKENS, stops=stops) == greedy[: stop_at + 1]
+        assert completion(tokenizer, [], greedy[: stop_at + 1], stops) == tokenizer.decode(greedy[:stop_at])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text("{}")
+    (ckpt / ORIGIN_FILE).write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, listed]}))
+    assert stop_ids(ckpt, tokenizer) == [tokenizer.eos_id, listed]
+
+
+def test_a_completion_keeps_the_leading_space_its_decoder_drops_alone(tmp_path: Path) -> None:
+    """A sentencepiece model with add_dummy_prefix (Llama 2's and Mistral's) drops a text's leading space:
+    the ids of " Paris" decoded alone are "Paris", so prompt and completion printed together lost the space."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = ["The capital of France is Paris and the capital of Italy is Rome"] * 50 + ["hello world foo bar"] * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.Train(sentence_iterator=iter(lines), model_writer=model, vocab_size=300,
+                                   model_type="bpe", byte_fallback=True, add_dummy_prefix=True, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer = load_tokenizer(tmp_path / "tokenizer.model")
+    prompt, whole = tokenizer.encode("The capital of France is"), tokenizer.encode("The capital of France is Paris")
+    assert whole[: len(prompt)] == prompt
+    new = whole[len(prompt):] + [tokenizer.eos_id]
+    assert tokenizer.decode(new[:-1]) == "Paris"  # alone, its space is gone
+    assert completion(tokenizer, [tokenizer.bos_id, *prompt], new) == " Paris"

@@ -14,7 +14,7 @@ import transformers
 from model.args import ModelArgs, RopeScaling
 from model.hf import hf_config
 from parallel.errors import ConfigError
-from trainer.checkpoint.hf_folder import check_architecture, check_token_ids, context_note
+from trainer.checkpoint.hf_folder import check_architecture, check_token_ids, context_note, model_keys
 
 THETA = 500000.0  # Llama 3's, not the 1e4 default: a spelling read wrong imports as 1e4
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -68,6 +68,24 @@ def test_rope_theta_spellings_that_disagree_are_one_line(tmp_path: Path, rope: d
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as e:
             check_architecture(llama_config(**rope), dataclasses.replace(ModelArgs(), rope_theta=theta), tmp_path)
         assert str(e.value).startswith(f"checkpoint.init_from_hf={tmp_path}: ") and "\n" not in str(e.value)
+
+
+def test_model_keys_take_the_rope_transformers_reads_and_refuse_two_that_differ(tmp_path: Path) -> None:
+    """model=hf and generate.py build the model from model_keys: with rope_scaling and rope_parameters both
+    given, transformers 5 reads rope_scaling alone; where they describe other RoPEs it was llama3 from
+    whichever had it (other logits than transformers'), now one line."""
+    scaled = llama_config(rope_theta=THETA, rope_scaling={"rope_type": "llama3", **LLAMA3},
+                          rope_parameters={"rope_type": "llama3", "rope_theta": THETA, **LLAMA3})
+    assert model_keys(scaled, tmp_path)["rope_scaling"] == {"type": "llama3", **LLAMA3}
+    assert model_keys(llama_config(rope_parameters={"rope_type": "llama3", "rope_theta": THETA, **LLAMA3}),
+                      tmp_path)["rope_scaling"] == {"type": "llama3", **LLAMA3}
+    plain = llama_config(rope_theta=THETA, rope_scaling={"rope_type": "default"},
+                         rope_parameters={"rope_type": "llama3", "rope_theta": THETA, **LLAMA3})
+    assert transformers_rope(plain, tmp_path / "hf")["rope_type"] == "default"
+    with pytest.raises(ConfigError, match=r"config.json's rope_scaling describes the default RoPE, its rope_parameters "
+                                          r"\{'type': 'llama3', 'factor': 8.0, .*\} \(transformers 5 reads only "
+                                          r"rope_scaling\): make them agree or drop one$"):
+        model_keys(plain, tmp_path)
 
 
 def seq(seq_len: int, args: ModelArgs = ModelArgs()) -> ModelArgs:
