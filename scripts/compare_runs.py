@@ -60,10 +60,11 @@ def read_metrics(dump_dir: Path, notes: list[str]) -> dict[int, dict]:
             notes.append(f"{path}: its last line is partial (a run still writing, or killed mid-line): left out")
     for record in records:
         _restore_nonfinite(record)
-    try:
-        by_step = {int(r["step"]): r for r in records}
-    except (KeyError, TypeError, ValueError) as e:
-        raise UnreadableMetrics(f"{path} is not a readable metrics file: a record without a step ({e})") from None
+    steps = [r.get("step") if isinstance(r, dict) else None for r in records]
+    odd = next((step for step in steps if type(step) is not int), ABSENT)
+    if odd is not ABSENT:  # int() would have read 2.5 as step 2 and compared it with the other run's
+        raise UnreadableMetrics(f"{path} is not a readable metrics file: a record's step is {odd!r}, not a whole number")
+    by_step = dict(zip(steps, records))
     if not by_step:
         raise UnreadableMetrics(f"{path} holds no records")
     if len(by_step) != len(records):
@@ -170,7 +171,13 @@ def precision(*values: float) -> int:
 
 
 def is_finite_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    """A number a float holds: not a bool, not an int too large for one (isfinite's OverflowError)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def rel_diff(a: object, b: object) -> float:

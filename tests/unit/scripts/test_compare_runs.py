@@ -157,7 +157,11 @@ def test_non_finite_missing_and_eval_values_are_compared_not_skipped(tmp_path, c
 def test_unreadable_or_duplicated_metrics_exit_2_with_one_line(tmp_path, capsys):
     a = _dump(tmp_path / "a", [6.9, 6.1])
     twice = _write(tmp_path / "twice", [{"step": 1, "loss": 6.9}, {"step": 1, "loss": 6.8}])
-    for other, fragment in ((tmp_path / "missing", "is not a readable metrics file"), (twice, "logs some step twice")):
+    fractional = _write(tmp_path / "fractional", [{"step": 1, "loss": 6.9}, {"step": 2.5, "loss": 6.8}])
+    stepless = _write(tmp_path / "stepless", [{"loss": 6.9}])
+    for other, fragment in ((tmp_path / "missing", "is not a readable metrics file"), (twice, "logs some step twice"),
+                            (fractional, "a record's step is 2.5, not a whole number"),
+                            (stepless, "a record's step is None, not a whole number")):
         assert compare_runs.main([str(a), str(other)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
@@ -330,3 +334,14 @@ def test_a_plot_it_would_not_write_as_named_is_refused_before_any_output(tmp_pat
         assert captured.out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_value_too_large_for_a_float_differs_instead_of_crashing(tmp_path, capsys):
+    """A hand-edited or foreign file's huge integer (isfinite raised OverflowError) or a bool (an int to
+    Python) is a value that is not a number: it differs from a number, and equals itself."""
+    a = _write(tmp_path / "a", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": True}, {"step": 3, "loss": 6.0}])
+    b = _write(tmp_path / "b", [{"step": 1, "loss": 6.9}, {"step": 2, "loss": 1}, {"step": 3, "loss": 6.0}])
+    assert compare_runs.main([str(a), str(b), "--fields", "loss"]) == 1
+    assert "differ" in capsys.readouterr().out
+    same = _write(tmp_path / "same", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": True}, {"step": 3, "loss": 6.0}])
+    assert compare_runs.main([str(a), str(same), "--fields", "loss"]) == 0
