@@ -55,7 +55,10 @@ class Tokenizer(Protocol):
 def encode_with_special_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids of `text` in which the text of a special token is that token (as a chat template writes
     `<|start_header_id|>user<|end_header_id|>`), and the text between them is encoded as `encode` does;
-    the longest special text wins where one is a prefix of another."""
+    the longest special text wins where one is a prefix of another. A Hugging Face tokenizer.json reads
+    them with its own package, which applies what the file says around them."""
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        return tokenizer.encode_reading_special_tokens(text)
     specials = tokenizer.special_tokens
     if not specials:
         return tokenizer.encode(text)

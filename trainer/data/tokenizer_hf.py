@@ -36,6 +36,7 @@ class HuggingFaceTokenizer:
         except Exception as e:  # the Rust side raises its own exception type for any malformed field
             raise ConfigError(f"{where} is not a Hugging Face tokenizer.json ({str(e)[:120]})") from e
         self._tok.encode_special_tokens = True
+        self._reading: "Tokenizer | None" = None  # encode_reading_special_tokens' instance, made when first used
         settings = _read_config(f"{where}: its {CONFIG_FILE}", config)
         self.bos_id = self._special_id(settings.get("bos_token"), _BOS_NAMES, "bos")
         self.eos_id = self._special_id(settings.get("eos_token"), _EOS_NAMES, "eos")
@@ -67,6 +68,17 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_reading_special_tokens(self, text: str) -> list[int]:
+        """The ids of `text` whose special tokens' text is the token, as the package reads a chat prompt:
+        with each token's lstrip/rstrip and the pre-tokenizer's prepend scheme (Metaspace's "first" puts
+        its space before the text's start only, not after every special token), which cutting the text at
+        the special tokens and encoding each piece would miss. A second instance: this one's setting stays."""
+        if self._reading is None:
+            from tokenizers import Tokenizer
+
+            self._reading = Tokenizer.from_str(self._files[JSON_FILE].decode("utf-8"))
+        return self._reading.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str], num_threads: int = 2) -> list[list[int]]:
         """Many texts in one call, in parallel on the package's own thread pool (every core: it takes no

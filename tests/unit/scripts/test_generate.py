@@ -6,6 +6,7 @@ error line with exit code 2."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,30 @@ def test_special_tokens_in_a_chat_prompt_are_the_tokens_transformers_reads(llama
         assert plain[0] == tokenizer.bos_id and not specials & set(plain[1:]), tokenizer.kind
         assert prompt_ids(tokenizer, "x<|eot_id|>", special_tokens=True) == [
             tokenizer.bos_id, *tokenizer.encode("x"), tokenizer.special_tokens["<|eot_id|>"]]
+
+
+def test_special_tokens_are_read_as_the_tokenizer_json_reads_them(tmp_path: Path) -> None:
+    """What tokenizer.json says around special tokens holds: Metaspace's prepend_scheme "first" (Llama 2's and
+    Mistral's files as transformers now writes them) puts its space before the text's start only, and a token
+    with rstrip (Phi-3's chat tokens) takes the whitespace after it. Cutting the prompt at the special tokens
+    and encoding each piece gave an extra space token after each, and the newline as a token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(prepend_scheme="first")
+    raw.train_from_iterator(["hi there, more text here\nand more"] * 20, trainers.BpeTrainer(
+        vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"]))
+    raw.add_special_tokens([AddedToken("<|user|>", rstrip=True, special=True, normalized=False)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path / "tokenizer.json")
+    for prompt in ("<s>hi there</s>more", "<|user|>\nhi</s>"):
+        expected = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids
+        assert encode_with_special_tokens(tokenizer, prompt) == expected
+        pieces = [tokenizer.special_tokens.get(p) or tokenizer.encode(p) for p in
+                  re.split(r"(<s>|</s>|<\|user\|>)", prompt) if p]
+        assert [i for p in pieces for i in (p if isinstance(p, list) else [p])] != expected  # the case it missed
+    assert tokenizer.encode("<|user|>") != [tokenizer.special_tokens["<|user|>"]]  # encode still reads text
 
 
 def test_sentencepieces_control_pieces_are_its_special_tokens(tmp_path: Path) -> None:
