@@ -13,6 +13,7 @@ from parallel.errors import ConfigError
 
 JSON_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+MAP_FILE = "special_tokens_map.json"  # checked against CONFIG_FILE, not read for ids
 # Where tokenizer_config.json is silent: the names Llama 3 and Llama 2 / sentencepiece-derived files use.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>")
@@ -40,6 +41,7 @@ class HuggingFaceTokenizer:
         settings = _read_config(f"{where}: its {CONFIG_FILE}", config)
         self.bos_id = self._special_id(settings.get("bos_token"), _BOS_NAMES, "bos")
         self.eos_id = self._special_id(settings.get("eos_token"), _EOS_NAMES, "eos")
+        self._check_special_tokens_map()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         # Whether the tokenizer's own post-processor starts a text with bos (Llama 3's does).
@@ -60,6 +62,20 @@ class HuggingFaceTokenizer:
                 return token_id
         raise ConfigError(f"{self._where}: no {what} token ({' or '.join(map(str, names))}) in its "
                           f"vocabulary; name it as {what}_token in {CONFIG_FILE}")
+
+    def _check_special_tokens_map(self) -> None:
+        """transformers lets a special_tokens_map.json beside the file override tokenizer_config.json's bos and
+        eos: one naming other tokens than those read here is refused, not trained with other separators."""
+        where = f"{self._where}: its {MAP_FILE}"
+        path = self.path.with_name(MAP_FILE)
+        settings = _read_config(where, path.read_bytes()) if path.is_file() else {}
+        for what, ours in (("bos", self.bos_id), ("eos", self.eos_id)):
+            given = settings.get(f"{what}_token")
+            name = given.get("content") if isinstance(given, dict) else given
+            if isinstance(name, str) and self._tok.token_to_id(name) != ours:
+                raise ConfigError(f"{where} names {what}_token {name!r}, but the {what} read here is "
+                                  f"{self._tok.id_to_token(ours)!r} ({CONFIG_FILE}'s, or the default name where it "
+                                  "is silent), and transformers reads the map's: make them agree")
 
     @property
     def special_tokens(self) -> dict[str, int]:

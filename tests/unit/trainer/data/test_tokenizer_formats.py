@@ -106,6 +106,23 @@ def test_bad_tokenizer_files_are_one_line(tmp_path):
         load_tokenizer(broken, "checkpoint.init_from_hf's tokenizer")
 
 
+def test_a_special_tokens_map_naming_other_tokens_is_refused(folders, tmp_path):
+    """transformers lets special_tokens_map.json override tokenizer_config.json's bos and eos: an instruct
+    folder whose map says <|eot_id|> would have packed documents with another eos than transformers reads."""
+    import json
+
+    folder = tmp_path / "instruct"
+    shutil.copytree(folders["huggingface"], folder)
+    agreeing = {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"}}
+    (folder / "special_tokens_map.json").write_text(json.dumps(agreeing))
+    assert load_tokenizer(folder).eos_id == auto_tokenizer(folder).eos_token_id
+    (folder / "special_tokens_map.json").write_text(json.dumps(agreeing | {"eos_token": "<|eot_id|>"}))
+    assert auto_tokenizer(folder).eos_token == "<|eot_id|>"
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=.*tokenizer.json: its special_tokens_map.json names "
+                                          r"eos_token '<\|eot_id\|>', but the eos read here is '<\|end_of_text\|>'"):
+        load_tokenizer(folder)
+
+
 @pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])
 def test_packing_with_a_given_tokenizer_writes_bos_document_eos(folders, kind, tmp_path):
     source = tmp_path / "doc.txt"
