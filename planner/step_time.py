@@ -251,7 +251,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_b
         step = max(step, _shared_cores_bound(cfg, dims, device, dtype_bytes, cores, optimizer + drain))
     tokens = cfg.batch_size * dims.dp * cfg.seq_len
     flops = training_flops_per_token(cfg.model, cfg.seq_len) * tokens
-    peak = device.flops(dtype_bytes)  # MFU against the compute dtype's peak, fp8 GEMMs or not
+    peak = device.flops(2)  # MFU against the dense bf16 peak, as the trainer logs `mfu`, whatever the compute dtype
     parts = {"compute": compute, "pipeline bubble": max(0.0, makespan - busy),
              "FSDP communication": max(0.0, busy - compute - exchange), "TP/CP communication": exchange,
              "optimizer": optimizer + drain}
