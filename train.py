@@ -111,8 +111,8 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
             # torchrun's SIGTERM looks the same whether a peer failed or torchrun itself was stopped.
             why = ("stopped by SIGTERM (torchrun sends it to every worker when one of them fails or when it is "
                    "stopped itself)" if terminated else "interrupted")
-            print(f"{why}: stopped before the next checkpoint; a restart resumes from the newest one",
-                  file=sys.stderr, flush=True)
+            print(f"{why}: stopped before the next checkpoint; a restart resumes from the newest one (with none "
+                  "yet, start again in a new dump_dir)", file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM if terminated else 130)
 
 

@@ -49,3 +49,22 @@ def test_nothing_points_outside_the_repository():
             for target in re.findall(r"\]\(([^)#:]+)\)", text):
                 resolved = (path.parent / target).resolve()
                 assert resolved.is_relative_to(REPO) and resolved.exists(), f"{name} links to {target}"
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, punctuation but hyphens dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.*)$", markdown, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.replace("`", "").strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_anchor_names_a_heading_of_its_page():
+    """A heading renamed (a model added to its title) leaves links to the old anchor landing at the page top."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", text):
+            linked = (page.parent / target).resolve() if target else page
+            if linked.suffix == ".md" and anchor not in _heading_anchors(linked.read_text()):
+                broken.append(f"{page.relative_to(REPO)} -> {target}#{anchor}")
+    assert not broken, broken
