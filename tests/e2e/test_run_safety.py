@@ -318,7 +318,8 @@ def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, how):
     _, stderr = job.communicate(timeout=60)
     assert job.returncode != 0
     assert stderr.count(line) == 1, stderr[-3000:]
-    assert "stopped before the next checkpoint; a restart resumes from the newest one (with none yet, start again in a new dump_dir)" in stderr
+    assert ("stopped before the next checkpoint; a restart resumes from the newest one (with none yet, start again "
+            "in a new dump_dir)") in stderr
     assert "KeyboardInterrupt" not in stderr and "Terminated" not in stderr  # no per-rank tracebacks
 
 
