@@ -65,6 +65,9 @@ class NamedAdamW:
         torch._fused_adamw_([p for _, p in stepping], [p.grad for _, p in stepping], [s["exp_avg"] for s in slots],
                             [s["exp_avg_sq"] for s in slots], [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
                             weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
+        # The kernel writes in place without bumping version counters, which an FSDP unit left unsharded
+        # reads to know its gathered weights are stale (the single-tensor path's in-place ops bump them).
+        torch.autograd.graph.increment_version([p for _, p in stepping])
 
     def zero_grad(self) -> None:
         for p in self.params:

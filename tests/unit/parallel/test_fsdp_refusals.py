@@ -55,6 +55,29 @@ def test_a_unit_left_unsharded_regathers_a_shard_changed_in_place(world, reshard
     assert not torch.equal(before, after) and torch.equal(after, regathered)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_unit_left_unsharded_regathers_after_the_optimizers_step(world, fused):
+    """The same through our AdamW: its fused kernel writes the shard in place without bumping the version
+    counter the unit reads, so a bf16 unit left unsharded computed with the pre-step weights."""
+    from trainer.config.schema import OptimConfig
+    from trainer.optimizer import NamedAdamW
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    root = fully_shard(model, ["0"], world, None, FSDPConfig(compute_dtype=torch.bfloat16,
+                                                             reshard_after_forward=False))
+    optimizer = NamedAdamW([model], OptimConfig(lr=0.1, fused=fused))
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x)  # a forward without backward: the unit stays unsharded
+    unit = root.units[0]
+    unit.flat_param.grad = torch.ones_like(unit.flat_param)
+    optimizer.step(0.1)
+    with torch.no_grad():
+        after = model(x)
+        root.reshard()
+        assert torch.equal(after, model(x))
+
+
 @pytest.mark.parametrize("grad_reduce", ["last_microbatch", "per_microbatch"])
 def test_gradients_of_a_step_that_raised_midway_are_refused_at_the_next_step(world, grad_reduce):
     """A step that raises after its first microbatch's backward leaves that gradient in the units'
