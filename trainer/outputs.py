@@ -35,7 +35,9 @@ WANDB_DIR = "wandb"  # what the wandb package writes (an offline run's files, it
 
 def output_folders(cfg: TrainConfig) -> dict[str, str]:
     """The folders the job will make in its dump_dir, each with the setting that asks for it."""
-    wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0, "checkpoint.freq > 0"),
+    # A stop signal's save writes a checkpoint with checkpoint.freq=0 too.
+    saves = "checkpoint.freq > 0" if cfg.checkpoint.freq > 0 else f"stop_signal={cfg.stop_signal}"
+    wanted = {CHECKPOINTS_DIR: (cfg.checkpoint.freq > 0 or cfg.stop_signal is not None, saves),
               TB_DIR: (cfg.metrics.tensorboard, "metrics.tensorboard=true"),
               TRACES_DIR: (cfg.dump_profile_traces, "dump_profile_traces=true"),
               SNAPSHOTS_DIR: (cfg.mem_snapshot_stop_step is not None, "mem_snapshot_stop_step"),

@@ -240,6 +240,8 @@ def test_unwritable_dump_dir_is_found_before_any_work(tmp_path):
 
 @pytest.mark.parametrize("overrides, folder, setting", [
     ({"checkpoint": {"freq": 2}}, "checkpoints", "checkpoint.freq > 0"),
+    # The stop's save writes one with checkpoint.freq=0: found there only when the signal came, after training.
+    ({"stop_signal": "USR1"}, "checkpoints", "stop_signal=USR1"),
     ({"metrics": {"tensorboard": True}}, "tb", "metrics.tensorboard=true"),
     ({"profile_freq": 1, "dump_profile_traces": True}, "profile_traces", "dump_profile_traces=true"),
     ({"mem_snapshot_stop_step": 1}, "memory_snapshots", "mem_snapshot_stop_step"),
