@@ -14,7 +14,7 @@ from trainer.config.vocab import VocabPadding
 from trainer.data.cache import CachePaths, cache_key, marking_errors, wait_for_main_rank
 from trainer.data.heartbeat import Heartbeat
 from trainer.data.records import RecordFormat, check_skipped
-from trainer.data.shards import PackedTokens, remove_killed_writes, write_packed_tokens
+from trainer.data.shards import PackedTokens, is_complete, remove_killed_writes, write_packed_tokens
 from trainer.data.sources import (KINDS, SOURCE_CHANGED, list_source, reads_keyed_records, source_kind,
                                   sources_fingerprint)
 from trainer.data.tokenizer import Tokenizer, load_given_tokenizer, missing_tokenizer
@@ -116,6 +116,9 @@ def _build(
                 raise ConfigError(SOURCE_CHANGED)
             log(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
         tokenizer = trained_tokenizer(paths.tokenizer)
+    if is_complete(paths.tokens):  # only the tokenizer was missing (trained again), or another job packed them
+        log(f"data: {paths.tokens} is already packed")  # whose tokenizer: checked by the caller
+        return
     start = time.monotonic()
     write_packed_tokens(files, tokenizer, paths.tokens, progress=log, num_threads=usable_cores(), sources=sources,
                         fmt=fmt, workers=workers)

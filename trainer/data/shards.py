@@ -43,13 +43,19 @@ def is_complete(out_dir: Path) -> bool:
     return (Path(out_dir) / META_FILE).is_file()
 
 
+class PublishedMeanwhile(Exception):
+    """Another writer (a job sharing data.cache_dir) published the folder being packed."""
+
+
 class _Packer:
     """Batches documents, has them encoded (in this process or by workers) and appends each batch's
-    `bos ids eos` runs to the open file in the order the documents came."""
+    `bos ids eos` runs to the open file in the order the documents came. Stops with PublishedMeanwhile
+    once another writer has published `final` (the ranks waiting on this one already read theirs)."""
 
     def __init__(self, tokenizer: Tokenizer, out: BinaryIO, dtype: np.dtype, progress: Progress,
-                 encoder: InlineEncoder | PoolEncoder, batch_chars: int) -> None:
+                 encoder: InlineEncoder | PoolEncoder, batch_chars: int, final: Path) -> None:
         self._tokenizer, self._out, self._dtype, self._progress = tokenizer, out, dtype, progress
+        self._final = final
         self._encoder, self._batch_chars = encoder, batch_chars
         self._pending: list[Document] = []
         self._pending_chars = self._pending_files = self._pending_bytes = 0
@@ -109,6 +115,8 @@ class _Packer:
             self._write_next()
 
     def _write_next(self) -> None:
+        if is_complete(self._final):  # one stat a batch
+            raise PublishedMeanwhile
         result, files, position, text_bytes, documents = self._in_flight.popleft()
         packed = result().tobytes()
         self._out.write(packed)
@@ -142,7 +150,7 @@ def write_packed_tokens(
     tmp_dir = make_writer_temp_dir(out_dir.parent, _temp_prefix(out_dir))
     try:
         meta = _write_tokens(text_files, tokenizer, tmp_dir / TOKENS_FILE, progress, fmt,
-                             _Encoding(num_threads, workers, batch_chars))
+                             _Encoding(num_threads, workers, batch_chars), out_dir)
         if meta["sources_fingerprint"] != sources:
             raise ConfigError(SOURCE_CHANGED)
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -150,6 +158,10 @@ def write_packed_tokens(
         # mkdtemp makes the folder private; other users sharing the cache must be able to read it.
         os.chmod(tmp_dir, 0o755)
         _publish(tmp_dir, out_dir)
+    except PublishedMeanwhile:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        progress(f"data: {out_dir} was published meanwhile by another job sharing the cache: packing stopped, "
+                 "its tokens are read")
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -173,7 +185,7 @@ class _Encoding(NamedTuple):
 
 
 def _write_tokens(text_files: list[Path], tokenizer: Tokenizer, path: Path, report: Callable[[str], None],
-                  fmt: RecordFormat, encoding: _Encoding) -> dict:
+                  fmt: RecordFormat, encoding: _Encoding, final: Path) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
     sizes = [stored_size(p) for p in text_files]
     progress = Progress(len(text_files), sum(sizes), report)
@@ -185,7 +197,7 @@ def _write_tokens(text_files: list[Path], tokenizer: Tokenizer, path: Path, repo
         report(f"data: tokenizing in {encoding.workers} worker processes")
     try:
         with open(path, "wb") as out:
-            packer = _Packer(tokenizer, out, dtype, progress, encoder, encoding.batch_chars)
+            packer = _Packer(tokenizer, out, dtype, progress, encoder, encoding.batch_chars, final)
             for file_path, size in zip(text_files, sizes):
                 packer.start_file(size)
                 for document in iter_records(file_path, fmt, count):

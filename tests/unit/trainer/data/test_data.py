@@ -15,6 +15,7 @@ import torch
 from parallel.errors import ConfigError
 from tests import REPO
 from trainer.data import prepare as data
+from trainer.data import shards
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.sampler import GlobalBatchSampler
@@ -336,6 +337,41 @@ def test_cache_is_built_once_and_half_written_folders_never_count(corpus: Path, 
     _, rebuilt = prepare_dataset(str(corpus), None, VOCAB, tmp_path, True, lines.append)
     assert not any("training" in line for line in lines)  # the finished tokenizer is reused
     assert (rebuilt.path / "tokens.bin").read_bytes() == expected
+
+
+def test_a_cache_published_by_another_job_is_not_packed_again(corpus: Path, tokenizer: SentencePieceTokenizer,
+                                                              tmp_path: Path, monkeypatch) -> None:
+    """The ranks waiting on this main rank go on as soon as the cache is complete, into collectives that time
+    out: so the main rank must not pack a copy it throws away. (a) Tokens complete and only the trained
+    tokenizer gone: it is trained again and the tokens read. (b) Another job sharing data.cache_dir publishes
+    the tokens being packed: packing stops at the next batch and theirs are read."""
+    _, first = prepare_dataset(str(corpus), None, VOCAB, tmp_path / "a", True, print)
+    shutil.rmtree(next((tmp_path / "a").glob("tokenizer-*")))
+
+    def no_packing(*args, **kwargs):
+        raise AssertionError("packed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "write_packed_tokens", no_packing)
+        lines: list[str] = []
+        _, again = prepare_dataset(str(corpus), None, VOCAB, tmp_path / "a", True, lines.append)
+    assert any("training a BPE tokenizer" in line for line in lines) and again.path == first.path
+    files = _source_files(str(corpus))
+    theirs = _pack(files, tokenizer, tmp_path / "theirs")
+    out, seen = tmp_path / "b" / "tokens", []
+    read = shards.iter_records
+
+    def publishing_theirs(*args, **kwargs):  # another job finishes once this one has read its first file
+        yield from read(*args, **kwargs)
+        if not out.exists():
+            shutil.copytree(theirs, out)
+
+    monkeypatch.setattr(shards, "iter_records", publishing_theirs)
+    written = write_packed_tokens(files, tokenizer, out, progress=seen.append, sources=sources_fingerprint(files),
+                                  batch_chars=64)
+    assert written == out and (out / "tokens.bin").read_bytes() == (theirs / "tokens.bin").read_bytes()
+    assert any("published meanwhile by another job" in line for line in seen)
+    assert [p.name for p in out.parent.iterdir()] == ["tokens"]  # this writer's temp folder is gone
 
 
 def test_a_complete_cache_is_read_without_writing_anything(corpus: Path, tmp_path: Path, monkeypatch) -> None:
