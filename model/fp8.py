@@ -175,6 +175,7 @@ class Fp8Gemm(nn.Module):
         self.activation_scales_set = False
         self._weight_cast: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
+        self._fp8_max: torch.Tensor | None = None  # recipe.fp8_max() on the scales' device
 
     @eager_region
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,10 @@ class Fp8Gemm(nn.Module):
         """The recipe's step-end update, once row 0 holds the reduced amaxes of the step."""
         history = self.amax_history
         amax = history.max(dim=0).values if self.recipe.amax_compute_algo == "max" else history[0]
-        self.scale.copy_(recipe_scale(amax, self.recipe.fp8_max().to(amax.device), self.recipe.margin, self.scale))
+        if self._fp8_max is None or self._fp8_max.device != amax.device:
+            # Made once per device: a host tensor copied to a GPU each step would sync the stream per GEMM.
+            self._fp8_max = self.recipe.fp8_max().to(amax.device)
+        self.scale.copy_(recipe_scale(amax, self._fp8_max, self.recipe.margin, self.scale))
         # Set only by an amax the recipe used: an inf kept in a "max" history keeps the scale where it was.
         self.scale_is_set |= amax_is_valid(amax)
         history.copy_(torch.roll(history, -1, dims=0))

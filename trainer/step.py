@@ -163,11 +163,11 @@ class StepRunner:
 
             def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
                 nonlocal loss_sum
-                mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp, self.valid_vocab_size)
+                mb_loss = token_loss_sum(logits, microbatches[mb][1], tp, self.valid_vocab_size)
                 loss_sum += mb_loss.double()
                 return mb_loss
 
-            self.runtime.run_forward(lambda mb: microbatches[mb][0].to(self.device), loss,
+            self.runtime.run_forward(lambda mb: microbatches[mb][0], loss,
                                      self._chunk_kwargs(self.eval_loader, full))
         for root in self.roots:
             root.reshard()
@@ -196,11 +196,11 @@ class StepRunner:
         tp = self.chunks[-1].tp
 
         def inputs(mb: int) -> torch.Tensor:
-            return microbatches[mb][0].to(self.device)
+            return microbatches[mb][0]
 
         def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
             nonlocal loss_sum
-            mb_loss = token_loss_sum(logits, microbatches[mb][1].to(self.device), tp, self.valid_vocab_size)
+            mb_loss = token_loss_sum(logits, microbatches[mb][1], tp, self.valid_vocab_size)
             loss_sum += mb_loss.detach().double()
             return mb_loss / self.global_tokens
 
@@ -223,14 +223,20 @@ class StepRunner:
         if not self._reads_batch:
             return [], []
         full = loader.batch(index)
-        return full, self._cp_shards(full)
+        return full, self._to_device(self._cp_shards(full))
+
+    def _to_device(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+        """The step's microbatches on the device in one copy: on CUDA a copy from pageable host memory waits
+        for the stream, and one per microbatch (inputs, then targets) drained the GPU's queue twice each."""
+        on_device = torch.stack([torch.stack(pair) for pair in microbatches]).to(self.device)
+        return [tuple(pair.unbind()) for pair in on_device.unbind()]
 
     def _chunk_kwargs(self, loader: BatchLoader, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> ChunkKwargs:
         """What every stage's chunk gets besides its input: block_causal's document ids, of the whole
         sequences (before any CP cut)."""
         if not self._block_causal:
             return lambda mb: {}
-        ids = [loader.document_ids(tokens).to(self.device) for tokens, _ in microbatches]
+        ids = torch.stack([loader.document_ids(tokens) for tokens, _ in microbatches]).to(self.device).unbind()
         return lambda mb: {"document_ids": ids[mb]}
 
     def _metrics(self, step: int, loss: float, grad_norm: float, lr: float, elapsed: float,

@@ -37,6 +37,21 @@ def test_fp8_gemm_on_cuda_matches_the_cpu_path():
         torch.testing.assert_close(cuda, cpu, rtol=1e-3, atol=1e-3 * float(cpu.abs().max()))
 
 
+def test_the_fp8_scale_update_makes_no_host_sync_after_its_first():
+    """The step-end update runs once per fp8 GEMM: a host tensor copied to the GPU in it synced the stream
+    per GEMM (hundreds per step in a deep model). Its first call makes the recipe's maxima on the device."""
+    gemm = Fp8Gemm(Fp8Recipe()).to("cuda")
+    gemm.amax_history[0].fill_(2.0)
+    gemm.update_scale()
+    gemm.amax_history[0].fill_(3.0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gemm.update_scale()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(gemm.scale_is_set.all())
+
+
 def test_memory_snapshot_on_cuda(tmp_path):
     dump = tmp_path / "run"
     train_ok(1, dump, "model=tiny", "seq_len=64", "steps=3", "mem_snapshot_stop_step=2")
