@@ -13,6 +13,8 @@ from model.te import TEBlocks
 from model.transformer import TIED_COPY, TIED_WEIGHT, BlockFactory, OutputHead, Transformer
 from parallel.activation_checkpoint import checkpoint_forward
 from parallel.context_parallel import CPContext
+from parallel.context_parallel.lse import pair_kernel_problem
+from parallel.errors import ConfigError
 from parallel.fsdp import FSDPConfig, FSDPRoot, TiedCopy, TPGroups, fully_shard
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.channels import channel_count
@@ -34,15 +36,21 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
-    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and a
-    pinned model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes (under CP on CPU
-    every fused name runs CPU's flash kernel: nothing to check; on CUDA a CP chunk pair with a document
-    mask runs the memory-efficient kernel whatever the name, so the named one runs unmasked)."""
+    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), a pinned
+    model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes, and under CP the kernel
+    its chunk pairs call themselves (kernels.py: flash's masked pairs run the memory-efficient kernel)."""
     check_fp8_device(cfg, device)
-    if mesh.dims.cp == 1 or device.type != "cpu":
-        m, tp = cfg.model, mesh.dims.tp
+    m, cp, tp = cfg.model, mesh.dims.cp, mesh.dims.tp
+    masked = m.attn_bias_type == "block_causal"
+    if cp == 1 or device.type != "cpu":
         check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
-                               m.attn_bias_type == "block_causal" and mesh.dims.cp == 1)
+                               masked and cp == 1)
+    if cp > 1:
+        problem = pair_kernel_problem(m.efficient_attn, device, dtype, m.n_heads // tp, m.head_dim, masked)
+        if problem is not None:
+            raise ConfigError(f"context_parallel_size={cp} with model.efficient_attn={m.efficient_attn}: its chunk "
+                              f"pairs call torch's {problem} ({str(dtype).removeprefix('torch.')}, head_dim "
+                              f"{m.head_dim}); pin another kernel, or math")
 
 
 def model_unit_names(n_layers: int) -> list[str]:

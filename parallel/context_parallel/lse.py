@@ -84,6 +84,26 @@ def math_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
     return torch.cat(grad_q, SEQ), grad_k, grad_v
 
 
+PROBE_TOKENS = 16
+
+
+def pair_kernel_problem(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+                        masked: bool) -> str | None:
+    """Why the kernel a chunk pair runs (`kernel`: model.efficient_attn) fails for these shapes (per TP rank)
+    on this device, forward or backward, unmasked and (`masked`: block_causal) masked; None if it runs.
+    The pairs call torch's kernels themselves, without the public SDPA's fallback to another kernel and
+    its padding of head_dim (flash takes head_dim up to 256, a multiple of 8, on sm80 and newer)."""
+    q, k, v = (torch.randn(1, heads, PROBE_TOKENS, head_dim, device=device, dtype=dtype) for _ in range(3))
+    causal = torch.ones(1, PROBE_TOKENS, PROBE_TOKENS, dtype=torch.bool, device=device).tril()
+    for allowed in (None, causal) if masked else (None,):
+        try:
+            out, lse = attention_with_lse(q, k, v, True, allowed, kernel)
+            attention_backward(torch.ones_like(out), q, k, v, out, lse, True, allowed, kernel)
+        except RuntimeError as e:
+            return f"{pair_kernel(kernel, device, dtype, allowed is not None)} kernel: {str(e).splitlines()[0]}"
+    return None
+
+
 def _row_blocks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
     """The query rows of the plain formula's blocks: each holds at most SCORES_BUDGET scores."""
     batch, heads, rows, _ = q.shape

@@ -27,3 +27,14 @@ def test_cp_kernels_match_the_plain_formula(kernel, dtype, documents, size):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale, msg=name)
+
+
+def test_the_pair_kernel_probe_finds_what_flash_refuses():
+    """CUDA's flash kernel, called directly as the pairs call it, takes only head_dim a multiple of 8 (the
+    public SDPA pads it): the probe the trainer runs before building says so; a head_dim of 64 runs."""
+    from parallel.context_parallel.lse import pair_kernel_problem
+
+    cuda = torch.device("cuda")
+    assert pair_kernel_problem("sdpa", cuda, torch.bfloat16, 2, 64, True) is None
+    problem = pair_kernel_problem("sdpa", cuda, torch.bfloat16, 2, 36, False)
+    assert problem is not None and problem.startswith("flash kernel: ")

@@ -93,3 +93,41 @@ def test_cp_ranks_on_cpu_match_the_whole_sequence(kernel, documents, size):
     got = cp_on_one_device(q, k, v, grad_out, size, kernel, ids)
     for a, b in zip(got, whole_sequence(q, k, v, grad_out, ids), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pair_kernel_the_device_cannot_run_is_one_line_before_building(monkeypatch):
+    """The chunk pairs call torch's kernels themselves, without the public SDPA's fallback and head_dim
+    padding: CUDA's flash refuses head_dim 36 or > 256, or a GPU before sm80, at step 1. The trainer probes
+    them first (here with a kernel made to fail as CUDA's would: CPU's runs every shape)."""
+    from types import SimpleNamespace
+
+    from parallel.context_parallel import lse
+    from parallel.errors import ConfigError
+    from trainer.config.schema import from_dict
+    from trainer.parallelize import check_device_kernels
+
+    for kernel in KERNELS:
+        for masked in (False, True):
+            assert lse.pair_kernel_problem(kernel, CPU, torch.float32, 2, 36, masked) is None
+
+    def refusing(kernel, q, *args):
+        if q.shape[-1] % 8:
+            raise RuntimeError("head_size must be a multiple of 8, this is ensured by padding!\nmore lines")
+        return real(kernel, q, *args)
+
+    real = lse.fused_forward
+    monkeypatch.setattr(lse, "fused_forward", refusing)
+    assert lse.pair_kernel_problem("sdpa", CPU, torch.float32, 2, 64, True) is None
+    assert lse.pair_kernel_problem("sdpa", CPU, torch.float32, 2, 36, False) == (
+        "cpu_flash kernel: head_size must be a multiple of 8, this is ensured by padding!")
+    cfg = from_dict({"model": {"dim": 72, "n_heads": 2, "n_kv_heads": 2}})
+    for cp in (1, 2):
+        mesh = SimpleNamespace(dims=SimpleNamespace(cp=cp, tp=1))
+        if cp == 1:  # no pairs: the public SDPA pads head_dim itself
+            check_device_kernels(cfg, mesh, CPU, torch.float32)
+            continue
+        with pytest.raises(ConfigError, match=r"^context_parallel_size=2 with model.efficient_attn=sdpa: its chunk "
+                                              r"pairs call torch's cpu_flash kernel: head_size must be a multiple of "
+                                              r"8, this is ensured by padding! \(float32, head_dim 36\); pin another "
+                                              r"kernel, or math$"):
+            check_device_kernels(cfg, mesh, CPU, torch.float32)
