@@ -72,10 +72,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @dataclass(frozen=True)
 class Documents:
     """The packed documents of a microbatch (block_causal): `ids` [batch, seq] of the whole sequence,
-    under CP too; `mask` its block_causal_mask, None under CP (which masks chunk by chunk)."""
+    under CP too; `mask` its block_causal_mask, None under CP (which masks chunk by chunk); `bias` the
+    mask as the additive bias SDPA makes of it, in the blocks' dtype (attention_bias)."""
 
     ids: torch.Tensor
     mask: torch.Tensor | None
+    bias: torch.Tensor | None = None
+
+    def mask_for(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
+        """What causal_attention takes for queries of `dtype`: the shared bias, where SDPA would otherwise
+        make its own of the bool mask in every layer (kept for the backward by the memory-efficient and
+        cuDNN kernels: layers x batch x seq^2 elements); the bool mask for the math formula or another dtype."""
+        if impl != "math" and self.bias is not None and self.bias.dtype == dtype:
+            return self.bias
+        return self.mask
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask as SDPA turns it into an additive one: 0 where attended, -inf elsewhere."""
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
 def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -90,7 +105,8 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention core on [batch, heads, seq, head_dim]; k/v may have fewer (grouped) heads. `mask`
-    (block_causal_mask) replaces the plain causal mask. `impl`: model.efficient_attn (attention_kernels.py)."""
+    (block_causal_mask, or for SDPA its attention_bias in q's dtype) replaces the plain causal mask.
+    `impl`: model.efficient_attn (attention_kernels.py)."""
     if impl in PINNED:
         return pinned_attention(q, k, v, impl, mask)
     if impl == "sdpa" and mask is None:
@@ -129,7 +145,8 @@ class AttentionCore(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         if self.cp.size > 1:
             return context_parallel_attention(q, k, v, self.cp, None if documents is None else documents.ids)
-        return causal_attention(q, k, v, self.impl, None if documents is None else documents.mask)
+        mask = None if documents is None else documents.mask_for(q.dtype, self.impl)
+        return causal_attention(q, k, v, self.impl, mask)
 
 
 class Attention(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from model.args import ModelArgs
-from model.attention import Attention, Documents, RotaryEmbedding, block_causal_mask, block_gemm
+from model.attention import Attention, Documents, RotaryEmbedding, attention_bias, block_causal_mask, block_gemm
 from parallel.context_parallel import CPContext
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, matmul
 
@@ -133,7 +133,7 @@ class Transformer(nn.Module):
             seq = x.shape[1] * (self.tp.size if self.tok_embeddings is None and self.tp.sequence_parallel else 1)
             positions = self.cp.positions(seq, x.device)
         cos, sin = self.rope(positions, h.dtype)
-        documents = None if document_ids is None else self._documents(document_ids.to(h.device))
+        documents = None if document_ids is None else self._documents(document_ids.to(h.device), h.dtype)
         with self.block_region():
             for layer in self.layers.values():
                 h = layer(h, cos, sin, documents)
@@ -143,5 +143,9 @@ class Transformer(nn.Module):
         """The head on the last block's output (a tied head reads the embedding's weight held here)."""
         return self.head(h, self.tok_embeddings.weight if self.head.output is None else None)
 
-    def _documents(self, ids: torch.Tensor) -> Documents:
-        return Documents(ids, None if self.cp.size > 1 else block_causal_mask(ids))
+    def _documents(self, ids: torch.Tensor, dtype: torch.dtype) -> Documents:
+        """The microbatch's documents, their mask and its bias made once for every layer (`dtype`: the blocks')."""
+        if self.cp.size > 1:
+            return Documents(ids, None)
+        mask = block_causal_mask(ids)
+        return Documents(ids, mask, attention_bias(mask, dtype))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from model.args import ModelArgs
-from model.attention import block_causal_mask, causal_attention
+from model import attention
+from model.attention import Documents, attention_bias, block_causal_mask, causal_attention
 from model.init import init_weights
 from model.transformer import Transformer
 from trainer.data.loader import BatchLoader
@@ -87,3 +88,39 @@ def test_document_ids_start_at_each_bos_after_an_eos(window: list[int], eos: int
     assert loader.document_ids(inputs).tolist() == [expected]
     with pytest.raises(ValueError, match="without the document tokens"):
         BatchLoader(Windows(), OneWindow(), seq_len, 0, 1, 1, document_start_id=BOS).document_ids(inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_bias_gives_sdpa_bitwise_what_the_bool_mask_does(dtype):
+    """The model hands SDPA one additive bias for every layer, made as SDPA makes it of the bool mask, which
+    it did in each layer (a copy each that the memory-efficient and cuDNN kernels keep for the backward)."""
+    torch.manual_seed(0)
+    seq = sum(DOCUMENT_LENGTHS)
+    mask = block_causal_mask(_document_ids())
+    q = torch.randn(1, 4, seq, 8, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, seq, 8, dtype=dtype, requires_grad=True) for _ in range(2))
+    results = []
+    for given in (mask, attention_bias(mask, dtype)):
+        out = causal_attention(q, k, v, "sdpa", given)
+        results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v))])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    documents = Documents(_document_ids(), mask, attention_bias(mask, dtype))
+    assert documents.mask_for(dtype, "sdpa") is documents.bias and documents.mask_for(dtype, "math") is mask
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert documents.mask_for(other, "sdpa") is mask  # another dtype: SDPA converts the bool mask itself
+
+
+def test_the_model_builds_the_bias_once_in_its_blocks_dtype(monkeypatch):
+    seen = []
+    real = attention.causal_attention
+
+    def spy(q, k, v, impl, mask=None):
+        seen.append(mask)
+        return real(q, k, v, impl, mask)
+
+    monkeypatch.setattr(attention, "causal_attention", spy)
+    model = Transformer(ARGS)
+    init_weights(model, ARGS, seed=3)
+    model(torch.randint(0, ARGS.vocab_size, (1, sum(DOCUMENT_LENGTHS))), document_ids=_document_ids())
+    assert len(seen) == ARGS.n_layers and all(m is seen[0] for m in seen) and seen[0].dtype == torch.float32
