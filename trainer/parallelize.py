@@ -36,21 +36,22 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def check_device_kernels(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, dtype: torch.dtype) -> None:
-    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), a pinned
-    model.efficient_attn kernel for the run's dtype and (per TP rank) head shapes, and under CP the kernel
-    its chunk pairs call themselves (kernels.py: flash's masked pairs run the memory-efficient kernel)."""
+    """What this device must have, one line before anything is built: fp8 GEMMs (model.use_fp8), and the
+    attention kernel for the run's dtype and (per TP rank) head shapes: the pinned model.efficient_attn, or
+    under CP the kernel its chunk pairs call themselves (kernels.py: flash's masked pairs run the
+    memory-efficient kernel), as they alone run attention there."""
     check_fp8_device(cfg, device)
     m, cp, tp = cfg.model, mesh.dims.cp, mesh.dims.tp
     masked = m.attn_bias_type == "block_causal"
-    if cp == 1 or device.type != "cpu":
+    if cp == 1:
         check_attention_kernel(m.efficient_attn, device, dtype, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim,
-                               masked and cp == 1)
-    if cp > 1:
-        problem = pair_kernel_problem(m.efficient_attn, device, dtype, m.n_heads // tp, m.head_dim, masked)
-        if problem is not None:
-            raise ConfigError(f"context_parallel_size={cp} with model.efficient_attn={m.efficient_attn}: its chunk "
-                              f"pairs call torch's {problem} ({str(dtype).removeprefix('torch.')}, head_dim "
-                              f"{m.head_dim}); pin another kernel, or math")
+                               masked)
+        return
+    problem = pair_kernel_problem(m.efficient_attn, device, dtype, m.n_heads // tp, m.head_dim, masked)
+    if problem is not None:
+        raise ConfigError(f"context_parallel_size={cp} with model.efficient_attn={m.efficient_attn}: its chunk "
+                          f"pairs call torch's {problem} ({str(dtype).removeprefix('torch.')}, head_dim "
+                          f"{m.head_dim}); pin another kernel, or math")
 
 
 def model_unit_names(n_layers: int) -> list[str]:

@@ -97,9 +97,9 @@ def check_tensor_shapes(folder: Path, args: ModelArgs) -> None:
     dtypes: dict[str, str] = {}
     for path in sorted(set(files.values())):
         with open_safetensors(folder, path) as f:
-            mine = [name for name in f.keys() if files.get(name) == path]
-            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in mine}
-            dtypes |= {name: f.get_slice(name).get_dtype() for name in mine}
+            for name in (name for name in f.keys() if files.get(name) == path):
+                piece = f.get_slice(name)
+                shapes[name], dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
     head = hf_names(TIED_COPY)[0]
     if args.tie_embeddings and head in shapes:
         raise ConfigError(f"{KEY}={folder}: tie_word_embeddings=true, but it ships {head} too, which transformers 5 "

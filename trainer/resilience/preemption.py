@@ -7,9 +7,9 @@ instead of being lost or killing the rank); after every step all ranks agree in 
 the world whether any of them got it (ranks receive a signal at slightly different times, and all must
 stop after the same step). The stopped job writes {dump_dir}/stopped.json (the step, the signal and the
 job: what a batch script reads to requeue itself), then saves a checkpoint of that step (a worker that
-dies in that save leaves the marker for torchrun's restart) and exits 0. A job removes an earlier job's stopped.json as soon as it owns the dump_dir, before anything
-can end it: a job that ends early (nothing left to train) must not leave one behind for its batch
-script to requeue on. A torchrun restart of the same job (a worker failed after the stop) finds its own
+dies in that save leaves the marker for torchrun's restart) and exits 0. A job removes an earlier job's
+stopped.json as soon as it owns the dump_dir, before anything can end it: a job that ends early (nothing
+left to train) must not leave one behind for its batch script to requeue on. A torchrun restart of the same job (a worker failed after the stop) finds its own
 stopped.json and stops at once: training on would end at the time limit, unrequeued. A requeued job
 keeps its id: the launchers that requeue (train.sbatch, scripts/launch.py) remove the marker before
 each run starts torchrun, so a restart never takes the previous run's stop for its own.
