@@ -24,7 +24,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
 from model.transformer import Transformer
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext
 from planner import fake_world
 from planner.live_bytes import LiveBytes
 from trainer.config.schema import ModelConfig

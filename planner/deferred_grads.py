@@ -13,7 +13,7 @@ import torch
 from torch.autograd import Variable
 
 from parallel import weight_grads
-from parallel.tensor_parallel import vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 from planner import fake_world
 from planner.activations import PARTS, ActivationKey, FusedAttention, traced_model
 from planner.live_bytes import captured, storage_bytes

@@ -25,7 +25,8 @@ from parallel.fsdp import FSDPRoot, grad_norm, sum_tied_grads, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.regional_compile import reset_compilation
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext
 from trainer.config.schema import TrainConfig
 from trainer.data.loader import BatchLoader
 from trainer.observability.flops import device_peak_flops, training_flops_per_token

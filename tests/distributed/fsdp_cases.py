@@ -9,7 +9,8 @@ from model.transformer import Transformer
 from parallel import comm
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.fsdp.flat_param import unflatten
-from parallel.tensor_parallel import TPContext, tp_merge, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext, tp_merge
 
 ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)
 GLOBAL_BATCH, SEQ = 16, 8

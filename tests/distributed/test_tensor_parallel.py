@@ -11,7 +11,8 @@ from model.transformer import RMSNorm, Transformer
 from parallel import comm
 from parallel.fsdp import FSDPConfig, grad_norm
 from parallel.mesh import ParallelDims, ParallelMesh
-from parallel.tensor_parallel import TPContext, tp_merge, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext, tp_merge
 from tests.distributed import fsdp_cases
 from tests.distributed.spawn import run_ranks
 

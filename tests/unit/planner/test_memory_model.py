@@ -14,7 +14,8 @@ from model.fp8 import Fp8Gemm
 from model.transformer import Transformer, TransformerBlock
 from parallel import weight_grads
 from parallel.pipeline.schedule import BACKWARD, WEIGHT, pipeline_actions
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext
 from planner import fake_world, memory
 from planner.activations import ActivationKey, sequence_activations
 from planner.config import compose_config
@@ -71,20 +72,20 @@ def _measured_loss_scratch(tp: TPContext, vocab: int, dtype: torch.dtype) -> tup
     return forward_peak - left, backward_peak[0] - left
 
 
-@pytest.mark.parametrize("tp, dtype, multiples", [(1, torch.bfloat16, (1.5, 2.0)), (2, torch.bfloat16, (2.5, 2.0)),
-                                                  (1, torch.float32, (1.0, 2.0))])
+@pytest.mark.parametrize("tp, dtype, multiples", [(1, torch.bfloat16, (0.5, 0.5)), (2, torch.bfloat16, (0.5, 0.5)),
+                                                  (1, torch.float32, (1.0, 0.0))])
 def test_the_loss_scratch_is_what_the_loss_holds_on_cpu(tp, dtype, multiples):
-    """With S the fp32 logits' bytes: tp=1 holds the logits, an fp32 copy and the log-softmax (S of it
-    saved), then in backward two fp32 gradients beside the saved S; the vocab-parallel loss holds the
-    logits and three fp32 tensors (the softmax saved), then in backward the softmax, its copy and the
-    product. fp32 logits need no copy."""
+    """With S the fp32 logits' bytes: the loss holds the logits (S/2 in bf16) beside the one fp32 copy it
+    makes and saves as the softmax; its backward makes that copy the gradient in place, and only bf16
+    logits need a (bf16) copy of it. (F.cross_entropy held 1.5 S beyond its saved S forward and 2 S in
+    backward; the vocab-parallel loss before this one 2.5 S and 2 S.)"""
     cfg = compose_config(["model=small", f"seq_len={SEQ}", f"model_parallel_size={tp}"])
     traced = sequence_activations(ActivationKey(cfg.model, tp, 1, False, "all_gather", SEQ, dtype))
     with fake_world.started():
         measured = _measured_loss_scratch(fake_world.tp_context(tp, False), cfg.model.vocab_size, dtype)
     assert (traced.loss_forward, traced.loss_backward) == pytest.approx(measured, rel=1e-3)
     s = SEQ * cfg.model.vocab_size // tp * 4
-    assert (traced.loss_forward / s, traced.loss_backward / s) == pytest.approx(multiples, rel=1e-2)
+    assert (traced.loss_forward / s, traced.loss_backward / s) == pytest.approx(multiples, rel=1e-2, abs=1e-2)
 
 
 def test_the_loss_scratch_is_on_the_head_stage_peak_only():

@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 from model.transformer import Transformer
 from parallel.errors import ConfigError
-from parallel.tensor_parallel import TPContext, vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import TPContext
 from planner.activations import ActivationKey, sequence_activations
 from planner.config import compose_config
 from planner.devices import load_device
