@@ -131,8 +131,9 @@ def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     m, tp = cfg.model, cfg.model_parallel_size
     _divisible("model.n_heads", m.n_heads, "model_parallel_size", tp)
     _divisible("model.n_kv_heads", m.n_kv_heads, "model_parallel_size", tp)
-    _divisible("ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)",
-               cfg.model.ffn_hidden_dim, "model_parallel_size", tp)
+    ffn_keys = ("model.intermediate_size" if m.intermediate_size is not None
+                else "ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)")
+    _divisible(ffn_keys, m.ffn_hidden_dim, "model_parallel_size", tp)
     if cfg.make_vocab_size_divisible_by is None and m.vocab_size % tp:  # the key pads to a multiple of tp
         raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by model_parallel_size={tp}: pad it "
                           "(make_vocab_size_divisible_by, or a larger model.vocab_size)")

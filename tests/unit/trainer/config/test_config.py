@@ -81,6 +81,8 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["model_parallel_size=4"], 4, "model.n_kv_heads=2 is not divisible by model_parallel_size=4"),
         (["model_parallel_size=4", "model.n_kv_heads=4", "model.multiple_of=1"], 4,
          "ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)=170 is not divisible by model_parallel_size=4"),
+        (["model_parallel_size=2", "model.intermediate_size=33"], 2,
+         "model.intermediate_size=33 is not divisible by model_parallel_size=2"),
         (["model_parallel_size=2", "model.vocab_size=511"], 2, "model.vocab_size=511 is not divisible by model_parallel_size=2"),
         (["model_parallel_size=2", "model.sequence_parallel=true", "seq_len=63"], 2,
          "seq_len=63 is not divisible by model_parallel_size (model.sequence_parallel=true)=2"),
