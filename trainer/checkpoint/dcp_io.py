@@ -108,10 +108,12 @@ def checkpoint_keys(path: Path) -> set[str]:
 
 def load_state(path: Path, state: dict, group: ProcessGroup | None) -> None:
     """Load into the tensors of `state` in place; any failure becomes one CheckpointError line. A tensor
-    whose saved boxes leave a gap is refused first: DCP fills only what its chunks cover, and would leave
-    the rest of a parameter as it was without a word."""
+    whose saved boxes leave a gap, or that was saved in another dtype, is refused first: DCP fills only
+    what its chunks cover, and would leave the rest of a parameter as it was without a word, and casts
+    without one (a float64 step count 3.9 loads as 3)."""
     try:
-        gap = first_gap(SafeFileSystemReader(path).read_metadata())
+        metadata = SafeFileSystemReader(path).read_metadata()
+        gap = first_gap(metadata) or first_dtype_change(metadata, state)
         if gap is None:
             dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
@@ -130,4 +132,20 @@ def first_gap(metadata: Metadata) -> str | None:
         if covered != math.prod(entry.size):
             return (f"{key} of shape {list(entry.size)} was saved as {covered} of its {math.prod(entry.size)} elements "
                     "(no rank wrote the rest)")
+    return None
+
+
+def first_dtype_change(metadata: Metadata, state: dict, prefix: str = "") -> str | None:
+    """The first tensor of `state` saved in another dtype than this run holds it in, said in words."""
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found = first_dtype_change(metadata, value, f"{name}.")
+            if found:
+                return found
+            continue
+        entry = metadata.state_dict_metadata.get(name)
+        if isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata) \
+                and entry.properties.dtype != value.dtype:
+            return f"{name} was saved as {entry.properties.dtype} and this run holds it as {value.dtype}"
     return None

@@ -37,6 +37,21 @@ def test_round_trip_prune_and_latest(tmp_path, world):
     assert torch.equal(target["model"]["w"], state(3)["model"]["w"]) and int(target["trainer"]["step"]) == 3
 
 
+@pytest.mark.parametrize("saved, line", [
+    ({"model": {"w": torch.tensor([1.7, -2.6], dtype=torch.float64)}, "trainer": {"step": torch.tensor(3)}},
+     "model.w was saved as torch.float64 and this run holds it as torch.float32"),
+    ({"model": {"w": torch.tensor([1.7, -2.6])}, "trainer": {"step": torch.tensor(3.9)}},
+     "trainer.step was saved as torch.float32 and this run holds it as torch.int64"),
+])
+def test_a_tensor_saved_in_another_dtype_is_refused_not_cast(tmp_path, world, saved, line):
+    """DCP casts on load: 3.9 would come back as step 3, float64 weights rounded to this run's dtype."""
+    path = save_checkpoint(tmp_path, 1, saved, world, rank=0, extra_files={})
+    target = {"model": {"w": torch.zeros(2)}, "trainer": {"step": torch.tensor(0)}}
+    with pytest.raises(CheckpointError, match=f"cannot be loaded into this run: {line}"):
+        load_checkpoint(path, target, world)
+    assert not target["model"]["w"].any() and int(target["trainer"]["step"]) == 0
+
+
 def test_a_kill_while_pruning_leaves_no_folder_that_looks_complete(tmp_path, world, monkeypatch):
     """rmtree may delete the shards before the manifest: the folder is renamed to a hidden name first,
     and the next save clears what the kill left."""
