@@ -9,8 +9,9 @@ that reduces (the chunk's last; every one with grad_reduce=per_microbatch) hands
 reduce-scatter, whose result lands in the shard's gradient (or, per microbatch, an fp32 shard sum).
 The optimizer's two Adam moments per shard element exist from the first update on: the step modelled
 is a later one. Samples are taken where the CPU measurement takes them: as a unit's activations are
-saved (forward), and as its backward starts (the unit and the previous one gathered, the next one's
-gradient already handed to its reduction).
+saved (forward), and as its backward starts (the unit and the previous one gathered, its accumulator
+made beside its activations, the next one's gradient already handed to its reduction). Reductions
+queue per chunk, as each chunk's FSDP root keeps its own queue.
 
 Two buffers the snapshot does not see are followed at the moments they exist: the loss's scratch (its
 forward's and backward's peaks over what it leaves saved) on the chunk holding the head, and under a
@@ -44,8 +45,10 @@ class ShardingPlan:
     per_microbatch: bool  # grad_reduce=per_microbatch
     collectives: int  # a reduction's collectives before it lands on the step's last microbatch ...
     collectives_before_last: int  # ... and on an earlier one (per microbatch)
-    in_flight: int = 2  # reductions the queue keeps going before it completes the oldest
+    in_flight: int = 2  # reductions each chunk's queue keeps going before it completes the oldest
     aliases_shard: bool = False  # a one-rank group in fp32: the unsharded parameters are the shard itself
+    fuses: bool = False  # gradient_accumulation_fusion (fp32): the GEMMs write the accumulator as they run
+    cuts_views: bool = False  # optimize_backward_concat: before the last microbatch, gradients added as they come
 
     def shard(self, numel: int) -> int:
         return -(-numel // self.world)
@@ -80,7 +83,8 @@ class _State:
         self.accumulators = _Held(lambda k: FP32 * plan.padded(numel[k]))
         self.shard_sums = _Held(lambda k: FP32 * plan.shard(numel[k]))
         self.shard_grads = _Held(lambda k: FP32 * plan.shard(numel[k]))
-        self.reductions: deque = deque()  # [unit, collectives left, lands as the step's gradient]
+        # Each chunk's FSDP root has its own queue: [unit, collectives left, lands as the step's gradient]
+        self.reductions: list[deque] = [deque() for _ in chunks]
         self.reducing = 0  # bytes of the unsharded gradients in reduction
         self.reducing_bytes = lambda k: FP32 * plan.padded(numel[k])
         self.fixed = {"parameter_shards": FP32 * shards, "optimizer_state": 2 * FP32 * shards}
@@ -93,7 +97,7 @@ class _State:
         """Everything the next actions' bytes depend on."""
         return (self.activations, self.deferred, self.reducing, frozenset(self.gathered.units),
                 frozenset(self.accumulators.units), frozenset(self.shard_sums.units), frozenset(self.shard_grads.units),
-                tuple(tuple(entry) for entry in self.reductions))
+                tuple(tuple(tuple(entry) for entry in queue) for queue in self.reductions))
 
     def run(self, op: str, chunk: int, last: bool, defers: bool) -> None:
         if op == FORWARD:
@@ -106,17 +110,20 @@ class _State:
     def unit(self, key: tuple[int, int]) -> UnitPlan:
         return self.chunks[key[0]][key[1]]
 
-    def sample(self, loss_scratch: int = 0) -> None:
+    def sample(self, loss_scratch: int = 0, parameter_grads: int = 0, snapshot: bool = True) -> None:
+        """`snapshot`: a moment the CPU snapshot samples too (it samples as autograd saves or reads back a
+        tensor, so not between a unit's last gradient and its hand-over)."""
         held = (self.fixed["parameter_shards"] + self.fixed["optimizer_state"] + self.gathered.total
                 + self.accumulators.total + self.shard_sums.total + self.shard_grads.total + self.activations)
-        total = held + self.reducing + self.deferred + loss_scratch
+        total = held + self.reducing + self.deferred + loss_scratch + parameter_grads
         if total > self.peak["total"]:
             self.peak = {**self._categories(), "deferred_weight_grads": self.deferred, "loss_buffers": loss_scratch,
-                         "total": total}
-        if held > self.measured["total"]:
+                         "parameter_gradients": parameter_grads, "total": total}
+        if snapshot and held + self.reducing > self.measured["total"]:
             now = self._categories()
             self.measured = {"parameters": now["parameter_shards"] + now["unsharded_parameters"],
-                             **{k: now[k] for k in ("gradients", "optimizer_state", "activations")}, "total": held}
+                             **{k: now[k] for k in ("gradients", "reducing_gradients", "optimizer_state", "activations")},
+                             "total": held + self.reducing}
 
     def _categories(self) -> dict[str, int]:
         return {"parameter_shards": self.fixed["parameter_shards"], "unsharded_parameters": self.gathered.total,
@@ -138,7 +145,13 @@ class _State:
                 self.gathered.discard((chunk, i))
 
     def backward(self, chunk: int, last: bool, defers: bool) -> None:
-        """One B; `defers`: a W follows it, which takes its weight-gradient GEMMs and the reductions."""
+        """One B; `defers`: a W follows it, which takes its weight-gradient GEMMs and the reductions.
+
+        Where the unit's gradients go while its activations are released: fused GEMMs (and, before the
+        last microbatch, cut views) write the accumulator from the first weight gradient on, beside the
+        activations. Connected views (the default) get the parameters' compute-dtype gradients from
+        autograd, which holds each until the last arrives and then hands them over together into the
+        accumulator; counted whole from the start, an upper bound."""
         for i in reversed(range(len(self.chunks[chunk]))):
             key, unit = (chunk, i), self.unit((chunk, i))
             if unit.outside:
@@ -146,9 +159,15 @@ class _State:
             self.activations -= unit.outside
             self.gather(chunk, i)
             self.gather(chunk, i - 1)
-            self.sample()
+            early = self.plan.fuses or (self.plan.cuts_views and not last)
+            parameter_grads = 0 if early or defers else self.plan.compute_bytes * unit.numel
+            if early and not defers:
+                self.accumulators.add(key)
+            self.sample(parameter_grads=parameter_grads)
             self.activations -= unit.activation
             self.accumulators.add(key)
+            if parameter_grads:
+                self.sample(parameter_grads=parameter_grads, snapshot=False)
             if defers:
                 self.deferred += unit.deferred
             elif last or self.plan.per_microbatch:
@@ -168,21 +187,23 @@ class _State:
                 self.reduce(key, last)
 
     def reduce(self, key: tuple[int, int], last: bool) -> None:
-        """The reduction queue (parallel/fsdp/reductions.py): pushing one moves every earlier one on by one
-        collective, then starts it; beyond the limit the oldest completes. A completed one lands."""
-        for entry in list(self.reductions):
+        """The unit's chunk's reduction queue (parallel/fsdp/reductions.py): pushing one moves every earlier
+        one on by one collective, then starts it; beyond the limit the oldest completes. A completed one
+        lands."""
+        queue = self.reductions[key[0]]
+        for entry in list(queue):
             entry[1] -= 1
             if entry[1] < 0:
-                self.reductions.remove(entry)
+                queue.remove(entry)
                 self.complete(entry)
         collectives = self.plan.collectives if last else self.plan.collectives_before_last
         if collectives == 0:
             self.land(key, last)
         else:
-            self.reductions.append([key, collectives - 1, last])
+            queue.append([key, collectives - 1, last])
             self.reducing += self.reducing_bytes(key)
-        while len(self.reductions) > self.plan.in_flight:
-            self.complete(self.reductions.popleft())
+        while len(queue) > self.plan.in_flight:
+            self.complete(queue.popleft())
 
     def complete(self, entry: list) -> None:
         self.reducing -= self.reducing_bytes(entry[0])

@@ -11,6 +11,8 @@ Categories: what mem_snapshot_stop_step measures (memory.py), plus the buffers i
                       others (model/fp8.py; none with fp8_all_gather, whose gathered fp8 weight is used)
   deferred_weight_grads  zero-bubble programs: the operands of the Bs whose W has not run (memory.py)
   loss_buffers        the loss's scratch at its peak, on the rank holding the head (memory.py)
+  parameter_gradients a unit's compute-dtype parameter gradients, which autograd holds until it hands
+                      them to the unit's accumulator at the end of the unit's backward (memory.py)
   exchange_buffers    TP's gathered sequence (SP) and CP's gathered (or in-flight ring) keys and values
   recompute           activation checkpointing's recomputed block (full) or attention core (selective)
 """
@@ -119,7 +121,9 @@ def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
     world = dims.dp_shard * dims.cp
     plan = ShardingPlan(world, dtype.itemsize, cfg.reshard_after_forward, cfg.grad_reduce == "per_microbatch",
                         before_last + int(dims.dp_replicate > 1), before_last,
-                        aliases_shard=aliases_shard(world, dtype, cfg.model.fp8_all_gather))
+                        aliases_shard=aliases_shard(world, dtype, cfg.model.fp8_all_gather),
+                        fuses=cfg.gradient_accumulation_fusion and dtype == torch.float32,
+                        cuts_views=cfg.optimize_backward_concat and cfg.grad_reduce == "last_microbatch")
     steps, batch_receives = _rank_program(cfg.pipeline_schedule, dims.pp, cfg.virtual_pipeline_stages,
                                           cfg.num_microbatches, pp_rank)
     measured, snapshot = peak_memory(steps, units, plan)

@@ -8,6 +8,7 @@ rank follows its live tensor bytes by category and writes the breakdown at the p
 
     parameters       FSDP's fp32 shards, plus unsharded (gathered) parameters while they exist
     gradients        fp32 gradient shards and unsharded accumulators
+    reducing_gradients  the unsharded gradients handed to reductions still in flight
     optimizer_state  Adam's moments, from the first update on (before it they do not exist)
     activations      tensors autograd saved for backward (by storage, parameters excluded)
 
@@ -89,6 +90,7 @@ class LiveBytes:
         now = {
             "parameters": sum(unit.memory_bytes()["parameters"] for unit in units),
             "gradients": sum(unit.memory_bytes()["gradients"] for unit in units),
+            "reducing_gradients": sum(root.reductions.bytes_in_flight for root in self.roots),
             "optimizer_state": sum(_nbytes(t) for state in self.optimizer.allocated_state().values()
                                    for t in state.values() if t.dim() > 0),
             "activations": self.activations,

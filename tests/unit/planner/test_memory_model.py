@@ -89,10 +89,13 @@ def test_the_loss_scratch_is_what_the_loss_holds_on_cpu(tp, dtype, multiples):
 
 
 def test_the_loss_scratch_is_on_the_head_stage_peak_only():
-    cfg = compose_config(["model=small", f"seq_len={SEQ}", "compute_dtype=fp32", "pipeline_parallel_size=2",
-                          "batch_size=4", "dry_run=true", "world_size=2"])
+    """Logits large enough for the loss's scratch (their fp32 bytes) to make the head stage's peak, over the
+    head's parameter gradients handed to its accumulator."""
+    seq = 1024
+    cfg = compose_config(["model=small", f"seq_len={seq}", "compute_dtype=fp32", "pipeline_parallel_size=2",
+                          "batch_size=4", "dry_run=true", "world_size=2", "model.vocab_size=65536"])
     stages = plan(cfg, validate(cfg, 2))["memory"]["per_rank"]
-    traced = sequence_activations(ActivationKey(cfg.model, 1, 1, False, "all_gather", SEQ, torch.float32))
+    traced = sequence_activations(ActivationKey(cfg.model, 1, 1, False, "all_gather", seq, torch.float32))
     assert stages[0]["categories"]["loss_buffers"] == 0
     assert stages[1]["categories"]["loss_buffers"] in (traced.loss_forward, traced.loss_backward)
 
