@@ -48,7 +48,7 @@ class TrainOnNode:
         env = submitit.JobEnvironment()
         stop_signal, default_dump = submitit_signal(), f"dump/submitit-{env.job_id}"
         if env.node == 0:  # before any node's torchrun starts: no worker can have stopped yet
-            self.forget_an_earlier_stop(default_dump)
+            self.forget_an_earlier_stop()
         argv = torchrun_args(env.num_nodes, self.nproc_per_node, f"{env.hostnames[0]}:{rendezvous_port(env.job_id)}",
                              str(env.job_id), self.overrides, default_dump, self.python, stop_signal,
                              self.max_restarts, hosts_rendezvous=env.node == 0)
@@ -60,24 +60,35 @@ class TrainOnNode:
             raise RuntimeError(f"torchrun exited with {code}")
         return code
 
-    def forget_an_earlier_stop(self, default_dump: str) -> None:
+    def stop_marker(self) -> Path:
+        """The file the trainer writes when it stops on the signal: {dump_dir}/stopped.json."""
+        import submitit
+
+        from trainer.outputs import STOPPED_FILE
+
+        default_dump = f"dump/submitit-{submitit.JobEnvironment().job_id}"
+        return Path(self.cwd) / dump_dir_of(self.overrides, default_dump) / STOPPED_FILE
+
+    def forget_an_earlier_stop(self) -> None:
         """Only this run's stop counts, as in train.sbatch: a requeued job keeps its id, so the marker its
         previous run left (still there when torchrun's first attempt died before the trainer took the
         dump_dir over) would read as its own to the next attempt, which would stop at once, untrained."""
-        from trainer.outputs import STOPPED_FILE
-
-        (Path(self.cwd) / dump_dir_of(self.overrides, default_dump) / STOPPED_FILE).unlink(missing_ok=True)
+        self.stop_marker().unlink(missing_ok=True)
 
     def checkpoint(self) -> object:
         """Runs inside submitit's signal handler, on the main thread, which may be inside __call__'s
         wait: waits for the trainer to save and exit, then returns the resubmission; None (no requeue)
-        when torchrun failed: the stop's save failed, and each requeue would train to the next time
-        limit and fail again."""
+        when torchrun failed (the stop's save failed, and each requeue would train to the next time
+        limit and fail again), or when the run finished without stopping (the signal came in its last
+        step or after it): a requeue would start a finished run again, from step 0 without a checkpoint."""
         import submitit
 
         code = wait_for_exit(self.process.pid) if self.process is not None else None
         if code not in (0, None):
             print(f"torchrun exited with {code} after the stop signal: not requeued", file=sys.stderr, flush=True)
+            return None
+        if not self.stop_marker().exists():
+            print("the run finished without stopping on the signal: not requeued", file=sys.stderr, flush=True)
             return None
         return submitit.helpers.DelayedSubmission(
             TrainOnNode(self.overrides, self.nproc_per_node, self.python, self.cwd, self.max_restarts))
@@ -104,8 +115,11 @@ def wait_for_exit(pid: int) -> int | None:
         time.sleep(0.2)
 
 
-def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None) -> object:
-    """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit."""
+def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None,
+                   cpus_per_task: int | None = None) -> object:
+    """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit.
+    `cpus_per_task`: the cores of the node's one task, which runs all of its ranks (None: the cluster's
+    default, often one core)."""
     import submitit
 
     # submitit fails a job after 3 time limits by default; a long run meets its limit at every requeue.
@@ -114,6 +128,8 @@ def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int,
         nodes=nodes, tasks_per_node=1, gpus_per_node=gpus_per_node or None, timeout_min=timeout_min,
         slurm_partition=partition, slurm_signal_delay_s=120, name="llm-train",
     )
+    if cpus_per_task is not None:
+        executor.update_parameters(cpus_per_task=cpus_per_task)
     return executor
 
 
@@ -123,6 +139,8 @@ def main() -> None:
     parser.add_argument("--gpus-per-node", type=int, choices=range(0, 65), metavar="0..64", default=0)
     parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default: GPUs per node, or 1)")
     parser.add_argument("--partition")
+    parser.add_argument("--cpus-per-task", type=positive_int, help="cores of each node's task, which runs all of "
+                        "its ranks (default: the cluster's, often one)")
     parser.add_argument("--time", type=positive_int, default=60, help="minutes")
     parser.add_argument("--local", action="store_true", help="run here, without a scheduler")
     parser.add_argument("--wait", action="store_true", help="wait for the job and fail if it fails")
@@ -139,7 +157,8 @@ def main() -> None:
                              "dump/local", sys.executable, max_restarts=opts.max_restarts, hosts_rendezvous=True)
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv).returncode)
-    executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition)
+    executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition,
+                              opts.cpus_per_task)
     job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable, max_restarts=opts.max_restarts))
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",
           flush=True)

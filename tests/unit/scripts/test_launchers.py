@@ -31,7 +31,8 @@ def _fake_slurm(tmp_path, stops_in: Path | None = None) -> Path:
     (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then printf "node7\\nnode8\\n"; '
                                       f'else echo "$@" >> {tmp_path}/scontrol_calls; fi\n')
     stop = f"echo '{{\"step\": 70}}' > '{stops_in}/stopped.json'\n" if stops_in is not None else ""
-    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n{stop}')
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s" "$4" > {tmp_path}/srun_command\n'
+                                  f'printf "%s" "$SRUN_CPUS_PER_TASK" > {tmp_path}/srun_cpus\n{stop}')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return bin_dir
@@ -102,18 +103,32 @@ def test_a_slurm_sweep_refuses_a_stop_signal_submitit_does_not_send(tmp_path):
     assert not (tmp_path / "submitted").exists()
 
 
-def test_array_task_ids_get_ports_and_a_failed_stop_is_not_requeued(tmp_path):
-    """submitit's array and batch jobs have ids like 1234_5; a torchrun that failed after the stop
-    signal (its save failed) is not requeued: each requeue would train to the next limit and fail."""
+def test_array_task_ids_get_ports_and_only_a_run_that_stopped_is_requeued(tmp_path, monkeypatch):
+    """submitit's array and batch jobs have ids like 1234_5. A torchrun that failed after the stop signal
+    (its save failed) is not requeued: each requeue would train to the next limit and fail. Nor is a run
+    that finished without stopping (the signal came in its last step): requeued under the same id and
+    dump_dir, it would train again, from step 0 where it saved no checkpoint. Only a stop is requeued."""
+    import submitit
+
     from scripts.launch import TrainOnNode
     from scripts.launch_command import rendezvous_port
 
     assert rendezvous_port("1234") == rendezvous_port(1234) == 29500 + 1234
     assert rendezvous_port("1234_5") == 29500 + 1239 and rendezvous_port("2999_1") == 29500
-    for code, requeued in ((2, False), (0, True)):
+
+    class Job:
+        USR_SIG, job_id, num_nodes, node, hostnames = "USR2", "1234_5", 1, 0, ["node7"]
+
+    monkeypatch.setattr(submitit, "JobEnvironment", Job)
+    dump = tmp_path / "dump" / "submitit-1234_5"
+    dump.mkdir(parents=True)
+    for code, stopped, requeued in ((2, True, False), (0, False, False), (0, True, True)):
+        (dump / "stopped.json").unlink(missing_ok=True)
+        if stopped:
+            (dump / "stopped.json").write_text('{"job": "1234_5", "step": 7, "signal": "SIGUSR2"}')
         node = TrainOnNode(["model=tiny"], 1, sys.executable, cwd=str(tmp_path))
         node.process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
-        assert (node.checkpoint() is not None) == requeued
+        assert (node.checkpoint() is not None) == requeued, (code, stopped)
 
 
 def test_a_requeued_submitit_job_does_not_take_its_previous_runs_stop_for_its_own(tmp_path, monkeypatch):
@@ -255,6 +270,17 @@ def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path, monkeyp
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu")
     assert executor._executor.max_num_timeout == MAX_TIME_LIMITS >= 1000
+    assert "cpus_per_task" not in executor._executor.parameters
+    executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu", cpus_per_task=96)
+    assert executor._executor.parameters["cpus_per_task"] == 96
+
+
+def test_the_batch_script_hands_srun_the_cores_sbatch_was_given(tmp_path):
+    """srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 on): the script passes it on."""
+    _sbatch_command(tmp_path / "given", ["model=tiny"], env={"SLURM_CPUS_PER_TASK": "96"})
+    assert (tmp_path / "given" / "srun_cpus").read_text() == "96"
+    _sbatch_command(tmp_path / "default", ["model=tiny"])
+    assert (tmp_path / "default" / "srun_cpus").read_text() == ""
 
 
 def test_a_slurm_sweep_runs_one_rank_per_gpu_unless_told_otherwise():
