@@ -7,6 +7,9 @@ it counts that node's failures only, so after a worker failed on one node the no
 whose workers were stopped for another's failure restarts them as a membership change, uncounted),
 and ranks would wait for peers under another name, or read the dead group's addresses.
 
+The store also names the launch: its first attempt's rank 0 sets a random name that every later attempt
+finds, and the next torchrun launch of the same job id (a new store) gets another.
+
 So rank 0 numbers the attempt (an atomic counter in the store) and the other ranks learn the number:
 each joins under the newest number it reads, rank 0 seals the attempt once all have joined, recording
 how many, and a rank whose join came after a seal (it read an earlier attempt's number, before rank 0
@@ -14,6 +17,7 @@ published the new one) knows the number is stale and reads again.
 """
 
 import time
+import uuid
 
 import torch.distributed as dist
 
@@ -21,6 +25,7 @@ from parallel.comm import CommTimeout
 
 POLL_S = 0.02
 _NEWEST = "attempt/newest"
+_LAUNCH = "attempt/launch"
 
 
 def agreed_attempt(store: dist.Store, rank: int, world_size: int, restart_count: int, timeout_s: float) -> tuple[int, int]:
@@ -39,8 +44,18 @@ def agreed_attempt(store: dist.Store, rank: int, world_size: int, restart_count:
         _wait_a_moment(deadline, "rank 0")  # an earlier attempt's number: rank 0 has yet to publish this one's
 
 
+def launch_name(store: dist.Store, number: int, restarts: int) -> str:
+    """This torchrun launch's name, the same in each of its attempts, from agreed_attempt's (number,
+    restarts). "" where a restart found a store of its own (torchrun's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1):
+    the launch cannot be named there."""
+    if number == 1 and restarts > 0:
+        return ""
+    return store.get(_LAUNCH).decode()
+
+
 def _number_and_seal(store: dist.Store, world_size: int, restart_count: int, deadline: float) -> tuple[int, int]:
     number = store.add("attempt/count", 1)
+    store.compare_set(_LAUNCH, "", uuid.uuid4().hex)  # set once, before the number is published
     restarts = max(number - 1, restart_count)
     store.set(_NEWEST, str(number))
     while (missing := world_size - 1 - store.add(_key(number, "joined"), 0)) > 0:

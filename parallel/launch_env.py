@@ -21,6 +21,9 @@ class LaunchEnv:
     # How many times torchrun has restarted the worker group (--max-restarts): this node's agent's count,
     # until init_process_group returns the one every rank agrees on (parallel/attempt.py).
     restart_count: int = 0
+    # This torchrun launch's name, the same in each of its attempts, another in the next launch of the
+    # same run id (parallel/attempt.py); set once the process group is up.
+    launch_name: str = ""
 
     @classmethod
     def from_torchrun(cls) -> "LaunchEnv":

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import comm
-from parallel.attempt import agreed_attempt
+from parallel.attempt import agreed_attempt, launch_name
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
 
@@ -168,17 +168,19 @@ class ParallelMesh:
         return self.rank_in("dp")
 
 
-def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+def init_process_group(launch: LaunchEnv, device: torch.device,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, str]:
     """gloo on CPU, NCCL on CUDA, every collective bounded by `timeout_s`; a lone process without
-    torchrun gets an in-memory store. Returns how many attempts of this torchrun job came before this
-    one (parallel/attempt.py), the same on every rank."""
+    torchrun gets an in-memory store. Returns how many attempts of this torchrun launch came before this
+    one, and the launch's name (parallel/attempt.py), the same on every rank."""
     timeout = timedelta(seconds=timeout_s)
     comm.LEDGER.timeout_s = timeout_s
     if not launch.torchrun:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return 0
+        return 0, launch.run_id
     store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
     number, restarts = agreed_attempt(store, launch.rank, launch.world_size, launch.restart_count, timeout_s)
+    name = launch_name(store, number, restarts)
     # The attempt's own namespace of the store: the new group must not read the addresses a dead one
     # published (it would connect to dead peers and fail again).
     store = dist.PrefixStore(f"attempt_{number}/", store)
@@ -187,7 +189,7 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
                                 timeout=timeout)
     else:
         dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
-    return restarts
+    return restarts, name
 
 
 def group_options(device_type: str, timeout_s: float) -> tuple[str, object]:

@@ -63,7 +63,8 @@ def run(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims) -> None:
         enable_deterministic(device.type)
     seed_everything(cfg.seed)
     # Agreed by every rank: torchrun's per-node count differs between nodes after a failure on one of them.
-    launch = dataclasses.replace(launch, restart_count=init_process_group(launch, device, cfg.comm_timeout_s))
+    restarts, name = init_process_group(launch, device, cfg.comm_timeout_s)
+    launch = dataclasses.replace(launch, restart_count=restarts, launch_name=name)
     try:
         _train(cfg, launch, dims, device, stop_request)
     except BaseException as e:
@@ -94,7 +95,7 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, dims: ParallelDims, device: torc
     lock = own_dump_dir(dump_dir, output_folders(cfg), launch.rank, launch.run_id, launch.restart_count,
                         comm.world())
     try:
-        stopped = take_over_stop_marker(dump_dir, launch.run_id, launch.restart_count) if lock is not None else None
+        stopped = take_over_stop_marker(dump_dir, launch.launch_name, launch.run_id) if lock is not None else None
         stopped = comm.all_gather_object(stopped, comm.world())[0]
         if stopped is not None:
             log0(launch.rank, f"an earlier attempt of this job stopped after step {stopped} on its stop signal and "

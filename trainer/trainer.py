@@ -130,7 +130,8 @@ class Trainer:
         profiler = StepProfiler(cfg, self.rank, self.device)
         memory = MemorySnapshots(cfg.mem_snapshot_stop_step, start_step, self.dump_dir, self.rank, self.device,
                                  self.runner.roots, self.runner.optimizer)
-        stop = StopOnSignal(self.stop_request, comm.world(), self.device, self.dump_dir, self.launch.run_id)
+        stop = StopOnSignal(self.stop_request, comm.world(), self.device, self.dump_dir, self.launch.run_id,
+                            self.launch.launch_name)
         try:
             for step in range(start_step + 1, cfg.steps + 1):
                 with profiler.step(step), memory.recording(step):

@@ -27,18 +27,19 @@ from trainer.outputs import STOPPED_FILE
 from trainer.resilience import early_signals
 
 
-def take_over_stop_marker(dump_dir: Path, job: str, restart_count: int) -> int | None:
-    """Rank 0, once the dump_dir is this job's: the step an earlier attempt of this same job stopped
-    after (torchrun's restart, `restart_count` > 0), which leaves the marker in place; otherwise the
-    marker an earlier job left is removed, and None."""
+def take_over_stop_marker(dump_dir: Path, launch_name: str, job: str) -> int | None:
+    """Rank 0, once the dump_dir is this job's: the step an earlier attempt of this same torchrun launch
+    stopped after (torchrun restarted the group), which leaves the marker in place; otherwise the marker
+    an earlier launch left is removed, and None. The launch's name, not the job's id: a rerun with the
+    same --rdzv_id whose first attempt died before getting here would take the last run's stop for its
+    own and exit untrained. Where a restart cannot name its launch (launch_name ""), the job's id."""
     marker = dump_dir / STOPPED_FILE
-    if restart_count > 0:
-        try:
-            stopped = json.loads(marker.read_text())
-            if stopped["job"] == job:
-                return int(stopped["step"])
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # none, or not this job's: an earlier job's marker, removed below
+    try:
+        stopped = json.loads(marker.read_text())
+        if stopped["launch"] == launch_name if launch_name else stopped["job"] == job:
+            return int(stopped["step"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # none, or not this launch's: an earlier launch's marker, removed below
     marker.unlink(missing_ok=True)
     return None
 
@@ -62,9 +63,10 @@ class StopRequest:
 
 class StopOnSignal:
     def __init__(self, request: StopRequest, group: ProcessGroup | None, device: torch.device, dump_dir: Path,
-                 job: str):
-        """With `request.name` None: never stops, and no all-reduce. `job`: torchrun's run id."""
-        self.request, self.group, self.device, self.job = request, group, device, job
+                 job: str, launch_name: str):
+        """With `request.name` None: never stops, and no all-reduce. `job`: torchrun's run id;
+        `launch_name`: this torchrun launch's (parallel/attempt.py)."""
+        self.request, self.group, self.device, self.job, self.launch_name = request, group, device, job, launch_name
         self.marker = dump_dir / STOPPED_FILE
 
     def agreed(self) -> bool:
@@ -77,4 +79,5 @@ class StopOnSignal:
         return bool(flag.item())
 
     def record(self, step: int) -> None:
-        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.request.name}", "job": self.job}))
+        self.marker.write_text(json.dumps({"step": step, "signal": f"SIG{self.request.name}", "job": self.job,
+                                           "launch": self.launch_name}))

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallel.attempt import agreed_attempt
+from parallel.attempt import agreed_attempt, launch_name
 from parallel.comm import CommTimeout
 
 
@@ -51,6 +51,19 @@ def test_every_rank_agrees_on_each_attempt_in_turn(server) -> None:
     # second; their joins come after its seal, so they read again. Torchrun's counts differ per node.
     assert _attempt(server, 3, [0, 1, 0], rank0_delay_s=0.3) == [(2, 1)] * 3
     assert _attempt(server, 2, [0, 1], rank0_delay_s=0.3) == [(3, 2)] * 2  # a smaller world after a node left
+
+
+def test_each_attempt_of_a_launch_reads_its_name_and_the_next_launch_gets_another(server) -> None:
+    """A launch is its store: every attempt in it reads the name its first one set; a rerun of the same
+    job id is a new torchrun with a new store. A restart on a store of its own cannot name its launch."""
+    first = _attempt(server, 2, [0, 0])[0]
+    name = launch_name(_client(server), *first)
+    second = _attempt(server, 2, [1, 1], rank0_delay_s=0.3)[0]
+    assert second == (2, 1) and launch_name(_client(server), *second) == name and len(name) == 32
+    rerun = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    assert launch_name(_client(rerun), *_attempt(rerun, 2, [0, 0])[0]) not in ("", name)
+    fresh = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    assert launch_name(_client(fresh), *_attempt(fresh, 2, [1, 0])[0]) == ""
 
 
 def test_an_attempt_that_died_before_sealing_is_left_behind(server) -> None:

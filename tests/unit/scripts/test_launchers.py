@@ -134,7 +134,9 @@ def test_array_task_ids_get_ports_and_only_a_run_that_stopped_is_requeued(tmp_pa
 def test_a_requeued_submitit_job_does_not_take_its_previous_runs_stop_for_its_own(tmp_path, monkeypatch):
     """The job stopped on its signal (stopped.json of job 4242, step 500) and submitit requeued it under
     the same id; torchrun's attempt 0 died in start-up, before the trainer took the dump_dir over. Attempt
-    1 (the stand-in for torchrun here) must not find the old marker: it would stop at once, exit 0."""
+    1 (the stand-in for torchrun here) must not find the old marker: it would stop at once, exit 0. (A
+    new launch's name tells the marker apart, but not where a restart has a store of its own and goes by
+    the job's id, as the stand-in does.)"""
     import submitit
 
     from scripts.launch import TrainOnNode
@@ -145,11 +147,11 @@ def test_a_requeued_submitit_job_does_not_take_its_previous_runs_stop_for_its_ow
     monkeypatch.setattr(submitit, "JobEnvironment", Job)
     dump = tmp_path / "dump" / "submitit-4242"  # the launcher's default, relative to the submit directory
     dump.mkdir(parents=True)
-    (dump / "stopped.json").write_text('{"job": "4242", "step": 500, "signal": "SIGUSR2"}')
+    (dump / "stopped.json").write_text('{"job": "4242", "launch": "L0", "step": 500, "signal": "SIGUSR2"}')
     attempt_1 = tmp_path / "torchrun"
     attempt_1.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
                          "from pathlib import Path\nfrom trainer.resilience.preemption import take_over_stop_marker\n"
-                         f"stopped = take_over_stop_marker(Path({str(dump)!r}), '4242', 1)\n"
+                         f"stopped = take_over_stop_marker(Path({str(dump)!r}), '', '4242')\n"
                          "sys.exit(0 if stopped is None else 3)\n")
     attempt_1.chmod(0o755)
     assert TrainOnNode(["model=tiny"], 1, str(attempt_1), cwd=str(tmp_path))() == 0
