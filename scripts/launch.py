@@ -21,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+WARNING_S = 120  # the warning signal's lead on the time limit
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
 from scripts.launch_command import (check_overrides_here, check_stop_signal, count, dump_dir_of, free_port,  # noqa: E402
@@ -116,17 +117,18 @@ def wait_for_exit(pid: int) -> int | None:
 
 
 def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int, partition: str | None,
-                   cpus_per_task: int | None = None) -> object:
-    """submitit's Slurm executor for one task per node, with the warning signal 120 s before the limit.
-    `cpus_per_task`: the cores of the node's one task, which runs all of its ranks (None: the cluster's
-    default, often one core)."""
+                   cpus_per_task: int | None = None, warning_s: int = WARNING_S) -> object:
+    """submitit's Slurm executor for one task per node, with the warning signal `warning_s` before the
+    limit (the stop finishes its step, then saves a checkpoint: a large model on a slow file system
+    needs more). `cpus_per_task`: the cores of the node's one task, which runs all of its ranks (None:
+    the cluster's default, often one core)."""
     import submitit
 
     # submitit fails a job after 3 time limits by default; a long run meets its limit at every requeue.
     executor = submitit.AutoExecutor(folder=logs, cluster="slurm", slurm_max_num_timeout=MAX_TIME_LIMITS)
     executor.update_parameters(
         nodes=nodes, tasks_per_node=1, gpus_per_node=gpus_per_node or None, timeout_min=timeout_min,
-        slurm_partition=partition, slurm_signal_delay_s=120, name="llm-train",
+        slurm_partition=partition, slurm_signal_delay_s=warning_s, name="llm-train",
     )
     if cpus_per_task is not None:
         executor.update_parameters(cpus_per_task=cpus_per_task)
@@ -142,6 +144,9 @@ def main() -> None:
     parser.add_argument("--cpus-per-task", type=positive_int, help="cores of each node's task, which runs all of "
                         "its ranks (default: the cluster's, often one)")
     parser.add_argument("--time", type=positive_int, default=60, help="minutes")
+    parser.add_argument("--warning-s", type=positive_int, default=WARNING_S,
+                        help="seconds before the time limit that the stop signal comes: the stop's step and checkpoint "
+                        f"must fit (default {WARNING_S})")
     parser.add_argument("--local", action="store_true", help="run here, without a scheduler")
     parser.add_argument("--wait", action="store_true", help="wait for the job and fail if it fails")
     parser.add_argument("--logs", default="dump/submitit_logs")
@@ -158,7 +163,7 @@ def main() -> None:
         print(f"running locally; dump folder {dump_dir_of(opts.overrides, 'dump/local')}", flush=True)
         sys.exit(subprocess.run(argv).returncode)
     executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition,
-                              opts.cpus_per_task)
+                              opts.cpus_per_task, opts.warning_s)
     job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable, max_restarts=opts.max_restarts))
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",
           flush=True)

@@ -67,8 +67,9 @@ class TorchrunLauncher(Launcher):
     def _run_here(self, overrides: list[str], job: int) -> Exception | None:
         from scripts.launch_command import free_port, torchrun_args
 
+        # This torchrun hosts its store: one that took the port meanwhile is an error, not a store to join.
         argv = torchrun_args(1, self.nproc_per_node, f"localhost:{free_port()}", f"sweep-{uuid.uuid4().hex[:8]}-{job}",
-                             overrides, python=sys.executable)
+                             overrides, python=sys.executable, hosts_rendezvous=True)
         print(f"sweep point {job}: {' '.join(overrides)}", flush=True)
         code = subprocess.run(argv).returncode  # in hydra's directory: relative paths mean what they do there
         return None if code == 0 else RuntimeError(f"sweep point {job} ({' '.join(overrides)}): torchrun exited {code}")

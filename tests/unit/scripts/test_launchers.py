@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -273,8 +274,11 @@ def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path, monkeyp
     executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu")
     assert executor._executor.max_num_timeout == MAX_TIME_LIMITS >= 1000
     assert "cpus_per_task" not in executor._executor.parameters
-    executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu", cpus_per_task=96)
+    assert executor._executor.parameters["signal_delay_s"] == 120
+    executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu", cpus_per_task=96,
+                              warning_s=600)
     assert executor._executor.parameters["cpus_per_task"] == 96
+    assert executor._executor.parameters["signal_delay_s"] == 600
 
 
 def test_the_batch_script_hands_srun_the_cores_sbatch_was_given(tmp_path):
@@ -325,3 +329,15 @@ def test_the_launchers_override_check_imports_no_torch():
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[:300] + done.stderr[-2000:]
+
+
+def test_a_local_sweep_point_hosts_its_own_rendezvous(monkeypatch):
+    """As launch.py --local: with the host left to torch's guess, a process that took the free port
+    meanwhile would be joined as this point's store."""
+    from scripts import hydra_launcher
+
+    ran = []
+    monkeypatch.setattr(hydra_launcher.subprocess, "run", lambda argv: ran.append(argv) or SimpleNamespace(returncode=0))
+    assert hydra_launcher.TorchrunLauncher(2)._run_here(["model=tiny"], 0) is None
+    assert "--rdzv_conf=is_host=true" in ran[0] and "--nproc_per_node=2" in ran[0]
+
