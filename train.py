@@ -23,6 +23,7 @@ from trainer.config.cli import RANK0_FIRST_S, check_overrides, exit_on_bad_input
 from trainer.config.hf_model import fill_hf_model
 from trainer.config.rules import validate
 from trainer.config.schema import from_dict
+from trainer.resilience.preemption import check_stop_signal_reaches_workers
 from trainer.run import run
 
 PEERS_TIME_OUT_S = 3.0
@@ -98,6 +99,7 @@ def train_or_exit(raw: DictConfig, launch: LaunchEnv) -> None:
         sweep_job_dump_dir(values, launch)
         cfg = from_dict(fill_hf_model(values))
         dims = validate(cfg, planned_world(cfg, launch))
+        check_stop_signal_reaches_workers(cfg.stop_signal, launch)
         if cfg.dry_run:
             dry_run(cfg, launch, dims)
             return

@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass
 
 
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default TORCHELASTIC_SIGNALS_TO_HANDLE
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """Where this process sits in the job, from torchrun's variables (a lone process is rank 0 of 1)."""
@@ -24,19 +27,25 @@ class LaunchEnv:
     # This torchrun launch's name, the same in each of its attempts, another in the next launch of the
     # same run id (parallel/attempt.py); set once the process group is up.
     launch_name: str = ""
+    # The signals torchrun's agent handles itself (TORCHELASTIC_SIGNALS_TO_HANDLE): it terminates the
+    # workers on them. Empty without an agent (no TORCHELASTIC_RUN_ID).
+    agent_signals: tuple[str, ...] = ()
 
     @classmethod
     def from_torchrun(cls) -> "LaunchEnv":
         env = os.environ
+        # All four, as torchrun sets them: a lone process in a shell that exports MASTER_ADDR and
+        # MASTER_PORT (for other jobs) would otherwise bind or join that address's store.
+        torchrun = all(key in env for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
         return cls(
             rank=int(env.get("RANK", 0)),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
-            # All four, as torchrun sets them: a lone process in a shell that exports MASTER_ADDR and
-            # MASTER_PORT (for other jobs) would otherwise bind or join that address's store.
-            torchrun=all(key in env for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")),
+            torchrun=torchrun,
             run_id=_run_id(env),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            agent_signals=tuple(s.strip().removeprefix("SIG") for s in env.get(
+                "TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNALS).split(",")) if "TORCHELASTIC_RUN_ID" in env else (),
         )
 
 

@@ -44,6 +44,12 @@ def test_bad_config_one_line(tmp_path, overrides, fragments):
     assert not (dump / "metrics.jsonl").exists()
 
 
+def test_a_stop_signal_torchruns_agent_takes_is_refused(tmp_path):
+    """torchrun's agent handles SIGHUP itself (it terminates the workers, mid-step, no checkpoint)."""
+    proc = train(1, tmp_path / "dump", *FAST, "stop_signal=HUP", timeout=120)
+    assert_one_error(proc, "stop_signal=HUP: torchrun's agent takes SIGHUP itself", "use USR1 or USR2")
+
+
 def test_world_size_not_divisible(tmp_path):
     proc = train(2, tmp_path / "dump", *FAST, "dp_replicate=3", timeout=120)
     assert_one_error(proc, "world size 2", "dp_replicate=3")

@@ -23,8 +23,18 @@ import torch
 from torch.distributed import ProcessGroup
 
 from parallel import comm
+from parallel.errors import ConfigError
+from parallel.launch_env import LaunchEnv
 from trainer.outputs import STOPPED_FILE
 from trainer.resilience import early_signals
+
+
+def check_stop_signal_reaches_workers(stop_signal: str | None, launch: LaunchEnv) -> None:
+    """A stop_signal torchrun's agent handles itself never stops the trainer cleanly: the agent
+    terminates the workers on it (SIGHUP by default), mid-step, without a checkpoint."""
+    if stop_signal is not None and stop_signal in launch.agent_signals:
+        raise ConfigError(f"stop_signal={stop_signal}: torchrun's agent takes SIG{stop_signal} itself and terminates "
+                          "the workers on it (TORCHELASTIC_SIGNALS_TO_HANDLE): use USR1 or USR2")
 
 
 def take_over_stop_marker(dump_dir: Path, launch_name: str, job: str) -> int | None:
