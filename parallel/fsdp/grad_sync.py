@@ -142,8 +142,7 @@ def sum_partial_grads_over_tp(unit: FSDPUnit, flat_grad: torch.Tensor) -> Iterat
 
 
 def reduce_scatter_grad(unit: FSDPUnit, flat_grad: torch.Tensor) -> Stages:
-    """Sum over the shard group, in reduce_dtype; returns this rank's shard of the sum."""
-    flat_grad = flat_grad.to(unit.cfg.reduce_dtype)
+    """Sum `flat_grad` (in reduce_dtype) over the shard group; returns this rank's shard of the sum."""
     if unit.spec.world == 1:
         return flat_grad
     shard = torch.empty(unit.spec.shard_size, dtype=unit.cfg.reduce_dtype, device=flat_grad.device)
@@ -176,7 +175,12 @@ def accumulate_shard_grad(unit: FSDPUnit, shard_grad: torch.Tensor) -> None:
 def reduce_gradient(unit: FSDPUnit, flat_grad: torch.Tensor, last_microbatch: bool) -> Iterator[None]:
     """The stages of one reduction of `flat_grad` (from unsharded_grad) into the unit's shard gradient."""
     yield from sum_partial_grads_over_tp(unit, flat_grad)
-    shard_grad = yield from reduce_scatter_grad(unit, flat_grad)
+    reduce_input = flat_grad.to(unit.cfg.reduce_dtype)
+    # With reduce_dtype=bf16 only the cast is in flight: the fp32 gradient goes now, not when the
+    # reduction ends (it held 1.5x the bytes of an fp32 reduction).
+    del flat_grad
+    shard_grad = yield from reduce_scatter_grad(unit, reduce_input)
+    del reduce_input
     if unit.cfg.grad_reduce == "per_microbatch":
         unit.shard_grad_sum = shard_grad.to(torch.float32) if unit.shard_grad_sum is None \
             else unit.shard_grad_sum.add_(shard_grad)

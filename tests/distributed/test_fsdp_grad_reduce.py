@@ -1,11 +1,14 @@
 """grad_reduce=per_microbatch against the default per-step reduction: the same training (1e-6), M
 reduce-scatters per unit per step, and no unsharded gradient held across microbatches (memory sampled
-during the backward)."""
+during the backward); reductions overlapping the backward, holding only their reduce_dtype copy."""
 
 import time
+import weakref
+
+import torch
 
 from parallel import comm
-from parallel.fsdp import FSDPConfig
+from parallel.fsdp import FSDPConfig, hooks
 from parallel.mesh import ParallelDims, ParallelMesh
 from tests.distributed.fsdp_cases import UNITS, assert_params_close, full_params, reference_params, train_fsdp
 from tests.distributed.spawn import run_ranks
@@ -106,8 +109,41 @@ def _timeline(mesh: ParallelMesh, in_flight: int) -> list[tuple[str, float]]:
     return events
 
 
+def _fp32_gradients_alive_in_flight(mesh: ParallelMesh) -> list[int]:
+    """reduce_dtype=bf16, two reductions in flight: at each unit's backward start, how many of the fp32
+    gradients handed to reductions are still alive."""
+    handed, alive = [], []
+    take = hooks.unsharded_grad
+
+    def tracked(unit):
+        flat = take(unit)
+        handed.append(weakref.ref(flat))
+        return flat
+
+    def record_backward_starts(root) -> None:
+        prefetch = root.prefetch_previous
+
+        def recording_prefetch(unit):
+            alive.append(sum(ref() is not None for ref in handed))
+            prefetch(unit)
+
+        root.prefetch_previous = recording_prefetch
+
+    hooks.unsharded_grad = tracked
+    try:
+        train_fsdp(FSDPConfig(reduce_dtype=torch.bfloat16, reductions_in_flight=2), mesh.group("dp_shard_cp"), None,
+                   mesh.dp_rank, mesh.dims.dp, 1, 1, on_root=record_backward_starts)
+    finally:
+        hooks.unsharded_grad = take
+    assert len(handed) == len(UNITS), handed
+    return alive
+
+
 def _check_overlap(rank: int, world: int) -> None:
     mesh = ParallelMesh(ParallelDims.from_sizes(world), "cpu")
+    # A reduction in flight holds its bf16 cast only, not the fp32 gradient it was made from.
+    alive = _fp32_gradients_alive_in_flight(mesh)
+    assert alive and not any(alive), alive
     for in_flight in (2, 0):
         events = _timeline(mesh, in_flight)
         first_issue = next(i for i, (name, _) in enumerate(events) if name == "reduce_scatter issued")
