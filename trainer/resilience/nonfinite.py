@@ -6,6 +6,8 @@ whose gradient is not finite; `skip` leaves the weights and optimizer state unto
 counts it. Finding the unit costs one exchange of small messages, on the failure path only.
 """
 
+import math
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -30,7 +32,15 @@ def first_nonfinite_unit(roots: list[FSDPRoot], stages: list[int]) -> str | None
 
 
 def halt_message(step: int, loss: float, grad_norm: float, unit: str | None) -> str:
-    where = f"; the first non-finite gradient is in unit {unit}" if unit else ""
+    """`unit`: first_nonfinite_unit's. None with an infinite norm: every gradient is finite, but the fp32
+    sum of their squares overflowed."""
+    if unit:
+        where = f"; the first non-finite gradient is in unit {unit}"
+    elif math.isinf(grad_norm):
+        where = ("; every gradient is finite, but the fp32 sum of their squares overflows (an element above "
+                 "about 1.8e19): the run is diverging")
+    else:
+        where = ""
     return (f"step {step}: loss {loss}, gradient norm {grad_norm}{where}; stopped before the update "
             "(nan_policy=skip would skip such steps)")
 
