@@ -8,8 +8,12 @@ it does for the other formats: only packing puts bos and eos ids around a docume
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parallel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 JSON_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -33,7 +37,7 @@ class HuggingFaceTokenizer:
         self.path, self._where = Path(path), where
         self._files = {JSON_FILE: data} | ({CONFIG_FILE: config} if config is not None else {})
         try:
-            self._tok = Tokenizer.from_str(data.decode("utf-8"))
+            self._tok = _untruncated(Tokenizer.from_str(data.decode("utf-8")))
         except Exception as e:  # the Rust side raises its own exception type for any malformed field
             raise ConfigError(f"{where} is not a Hugging Face tokenizer.json ({str(e)[:120]})") from e
         self._tok.encode_special_tokens = True
@@ -93,7 +97,7 @@ class HuggingFaceTokenizer:
         if self._reading is None:
             from tokenizers import Tokenizer
 
-            self._reading = Tokenizer.from_str(self._files[JSON_FILE].decode("utf-8"))
+            self._reading = _untruncated(Tokenizer.from_str(self._files[JSON_FILE].decode("utf-8")))
         return self._reading.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str], num_threads: int = 2) -> list[list[int]]:
@@ -127,3 +131,14 @@ def _files_sha256(files: dict[str, bytes]) -> str:
         digest.update(f"{name}\0{len(files[name])}\0".encode())
         digest.update(files[name])
     return digest.hexdigest()
+
+
+def _untruncated(tok: "Tokenizer") -> "Tokenizer":
+    """Without the truncation and padding a tokenizer.json may have saved (some releases keep a
+    max_length, embedding tokenizers a fixed padding): they would cut every document to that length, or
+    pad it with pad ids that depend on how documents fall into batches. transformers applies them only
+    when a call asks to."""
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+

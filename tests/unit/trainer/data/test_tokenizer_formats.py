@@ -123,6 +123,33 @@ def test_a_special_tokens_map_naming_other_tokens_is_refused(folders, tmp_path):
         load_tokenizer(folder)
 
 
+def test_a_tokenizer_json_that_saved_truncation_and_padding_packs_whole_documents(folders, tmp_path):
+    """Such a file (a max_length kept by some releases, an embedding tokenizer's padding) cut every
+    document to max_length, or padded it with pad ids that depended on how documents fell into batches
+    (the package's thread pool pads a batch, one-by-one encoding does not)."""
+    from tokenizers import Tokenizer
+
+    folder = tmp_path / "saved_settings"
+    shutil.copytree(folders["huggingface"], folder)
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    saved.enable_truncation(max_length=8)
+    saved.enable_padding(pad_id=0, pad_token="!")
+    saved.save(str(folder / "tokenizer.json"))
+    plain, tokenizer = load_tokenizer(folders["huggingface"]), load_tokenizer(folder)
+    assert len(plain.encode(TEXT)) > 8 and tokenizer.encode(TEXT) == plain.encode(TEXT)
+    texts = ["short", TEXT]
+    assert tokenizer.encode_batch(texts, num_threads=2) == tokenizer.encode_batch(texts, num_threads=1) == \
+        [plain.encode(t) for t in texts]
+    assert tokenizer.encode_reading_special_tokens(TEXT)[:9] == plain.encode_reading_special_tokens(TEXT)[:9]
+    assert len(tokenizer.encode_reading_special_tokens(TEXT)) > 8
+    source = tmp_path / "doc.txt"
+    source.write_text(TEXT)
+    _, tokens = prepare_dataset(str(source), str(folder), tokenizer.vocab_size, tmp_path / "cache", True,
+                                lambda line: None)
+    assert tokens.sequence(0, tokens.num_tokens - 1).tolist() == [tokenizer.bos_id, *plain.encode(TEXT),
+                                                                  tokenizer.eos_id]
+
+
 @pytest.mark.parametrize("kind", ["huggingface", "tiktoken"])
 def test_packing_with_a_given_tokenizer_writes_bos_document_eos(folders, kind, tmp_path):
     source = tmp_path / "doc.txt"
