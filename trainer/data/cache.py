@@ -23,7 +23,9 @@ from trainer.data.tokenizer_spm import trainer_settings_fingerprint
 # Bump when the cache layout or packing format changes, so old caches are not reused.
 # 2: meta.json records the packed tokens' sha256; documents are packed byte-exact, empty ones dropped.
 # 3: the sources' fingerprint reads small files whole and 16 pages of larger ones; suffixes in any case.
-CACHE_VERSION = 3
+# 4: JSON lines end at "\n" only (a lone "\r" is whitespace); a tokenizer.json's saved truncation and
+#    padding are not applied (they cut or padded documents).
+CACHE_VERSION = 4
 # A waiting rank trusts an error marker older than itself only once it outlives this grace period:
 # a live main rank deletes stale markers as it starts, a main rank that already failed does not.
 STALE_MARKER_GRACE_S = 10.0

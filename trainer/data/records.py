@@ -45,6 +45,14 @@ class RecordCount:
         if len(self.first_skipped) < _SHOWN_BAD_RECORDS:
             self.first_skipped.append(reason)
 
+    def skipped_note(self) -> str:
+        """For a line saying the sources hold no text: that bad records were skipped, where they were
+        the cause (a text_key no record has, say), or ""."""
+        if not self.skipped:
+            return ""
+        return (f"; {self.skipped} of its {self.records} records were bad and skipped (data.bad_records=skip), "
+                f"first: {'; '.join(self.first_skipped)}")
+
     def meta(self) -> dict:
         """What the packed tokens' meta.json records, for check_skipped to judge a run's policy against."""
         return {"records": self.records, "skipped_records": self.skipped, "first_skipped": self.first_skipped}
@@ -87,8 +95,10 @@ def _text_documents(path: Path, fmt: RecordFormat, count: RecordCount) -> Iterat
         raise ConfigError(f"data.source file {path} {reason}")
     json_lines = is_json_lines(path)
     try:
+        # JSON lines end at "\n" alone: a lone "\r" is JSON whitespace (universal newlines cut the record
+        # there), and a CRLF line's "\r" is whitespace before its end.
         with io.TextIOWrapper(open_decompressed(path), encoding="utf-8-sig", errors="replace",
-                              newline=None if json_lines else "") as f:
+                              newline="\n" if json_lines else "") as f:
             if not json_lines:
                 count.records += 1
                 if text := f.read():

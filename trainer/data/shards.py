@@ -205,7 +205,8 @@ def _write_tokens(text_files: list[Path], tokenizer: Tokenizer, path: Path, repo
                 packer.end_file()
             packer.finish()
             if packer.num_documents == 0:
-                raise ConfigError("data.source holds no text (empty files, or empty \"text\" fields only)")
+                raise ConfigError("data.source holds no text (empty files, or empty \"text\" fields only)"
+                                  + count.skipped_note())
             out.flush()
             os.fsync(out.fileno())
     finally:

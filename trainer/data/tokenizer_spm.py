@@ -149,7 +149,8 @@ class _TrainingLines:
 
     sentencepiece turns an exception raised inside its sentence iterator into an opaque RuntimeError,
     so the iterator keeps the original one for `train_tokenizer` to re-raise. The bad records it skips are
-    not counted: the packing reads every record again and counts them once.
+    not judged against data.max_bad_fraction here (the packing reads every record again and does): their
+    count only explains a corpus with no text left.
     """
 
     def __init__(self, text_files: list[Path], max_lines: int, fmt: RecordFormat) -> None:
@@ -157,6 +158,7 @@ class _TrainingLines:
         self._max_lines = max_lines
         self.error: Exception | None = None
         self.yielded = self.too_long = 0  # lines given to sentencepiece, and those it will skip as too long
+        self.count = RecordCount()  # the records read, for the line saying there was no text
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -167,7 +169,7 @@ class _TrainingLines:
     def _lines(self) -> Iterator[str]:
         count = 0
         for path in self._text_files:
-            for document in iter_documents(path, self._fmt, RecordCount()):
+            for document in iter_documents(path, self._fmt, self.count):
                 for line in document.splitlines():
                     if not line.strip():
                         continue
@@ -208,7 +210,7 @@ def train_tokenizer(text_files: list[Path], vocab_size: int, model_path: Path, f
             what = "no text (empty, or blank lines only)" if not lines.yielded else (
                 f"no line shorter than {_TRAINER_SETTINGS['max_sentence_length']} bytes (the tokenizer learns "
                 "from lines: split the text into lines)")
-            raise ConfigError(f"data.source holds {what}") from exc
+            raise ConfigError(f"data.source holds {what}{lines.count.skipped_note()}") from exc
         # Keep sentencepiece's human reason, drop its "INTERNAL: file.cc(744) [check] " prefix.
         reason = str(exc).strip().splitlines()[-1].split("] ", 1)[-1]
         message = f"model.vocab_size={vocab_size} cannot be trained on data.source: {reason}"

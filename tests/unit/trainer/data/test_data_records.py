@@ -107,8 +107,37 @@ def test_too_many_bad_records_are_refused_and_error_refuses_a_skipping_cache(tmp
     assert _pack(source, tokenizer, cache, bad_records="skip", max_bad_fraction=0.002)  # the same cache, reused
 
 
+def test_a_carriage_return_between_a_records_tokens_or_ending_its_line_is_whitespace(tmp_path: Path, tokenizer) -> None:
+    """JSON allows "\r" between tokens: read with universal newlines it cut the record in two (both
+    halves bad, the record lost under skip, the lines after numbered wrong)."""
+    lone = tmp_path / "lone_cr.jsonl"
+    first, second = (json.dumps(d).encode() for d in DOCUMENTS[:2])
+    lone.write_bytes(b'{"text": ' + first + b',\r"id": 1}\r\n{"text": ' + second + b'}\n')
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(_jsonl([{"text": DOCUMENTS[0]}, {"text": DOCUMENTS[1]}]))
+    logs: list[str] = []
+    assert _pack(lone, tokenizer, tmp_path / "cache", logs) == _pack(plain, tokenizer, tmp_path / "cache")
+    assert not [line for line in logs if "skipped" in line]
+
+
 def test_error_names_the_file_and_line_of_the_first_bad_record(tmp_path: Path, tokenizer) -> None:
     source = _with_bad_lines(tmp_path)
     with pytest.raises(ConfigError, match=r"^data\.source=\S+bad\.jsonl:3 is not valid JSON "
                                           r"\(Invalid control character at: column 19\)$"):  # the line's newline
         _pack(source, tokenizer, tmp_path / "cache")
+
+
+def test_sources_whose_every_record_is_bad_say_so(tmp_path: Path, tokenizer) -> None:
+    """Records under another key than data.text_key, all skipped: the line names them, not empty files."""
+    source = tmp_path / "other_key.jsonl"
+    source.write_bytes(_jsonl([{"content": doc} for doc in DOCUMENTS[:3]]))
+    with pytest.raises(ConfigError, match=r'^data\.source holds no text \(empty files, or empty "text" fields only\); '
+                                          r'3 of its 3 records were bad and skipped \(data\.bad_records=skip\), '
+                                          r'first: \S+other_key\.jsonl:1 has no string "text" field \(its keys: content\)'):
+        _pack(source, tokenizer, tmp_path / "cache", bad_records="skip")
+    from trainer.data.tokenizer_spm import train_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^data\.source holds no text \(empty, or blank lines only\); 3 of its 3 "
+                                          r"records were bad and skipped"):
+        train_tokenizer([source], 320, tmp_path / "spm" / "tokenizer.model", RecordFormat(bad_records="skip"))
+
