@@ -132,7 +132,8 @@ def _record_text(line: str, where: str, fmt: RecordFormat, count: RecordCount) -
     """The line's text; "" for a bad record skipped."""
     count.records += 1
     try:
-        return _jsonl_text(line, where, fmt.text_key)
+        # A byte-order mark opens each member of gzip files joined with `cat`: not part of the record.
+        return _jsonl_text(line.removeprefix("\ufeff"), where, fmt.text_key)
     except BadRecord as exc:
         if fmt.bad_records == "error":
             raise

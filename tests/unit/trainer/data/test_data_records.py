@@ -127,6 +127,14 @@ def test_error_names_the_file_and_line_of_the_first_bad_record(tmp_path: Path, t
         _pack(source, tokenizer, tmp_path / "cache")
 
 
+def test_gzip_members_joined_with_cat_each_opening_with_a_bom_read_every_record(tmp_path: Path, tokenizer) -> None:
+    joined = tmp_path / "joined.jsonl.gz"
+    joined.write_bytes(b"".join(gzip.compress("\ufeff".encode() + _jsonl([{"text": doc}])) for doc in DOCUMENTS[:3]))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(_jsonl([{"text": doc} for doc in DOCUMENTS[:3]]))
+    assert _pack(joined, tokenizer, tmp_path / "cache") == _pack(plain, tokenizer, tmp_path / "cache")
+
+
 def test_sources_whose_every_record_is_bad_say_so(tmp_path: Path, tokenizer) -> None:
     """Records under another key than data.text_key, all skipped: the line names them, not empty files."""
     source = tmp_path / "other_key.jsonl"
