@@ -271,10 +271,11 @@ def unit_divergence(a: dict[int, dict], b: dict[int, dict], rtol: float) -> str 
     return None
 
 
-def copied(a: dict[int, dict], b: dict[int, dict]) -> bool:
-    """Whether every common step ended at the same wall_time in both runs: one is a copy of the other."""
-    times = [(a[s].get("wall_time"), b[s].get("wall_time")) for s in a.keys() & b.keys()]
-    return bool(times) and all(is_finite_number(x) and x == y for x, y in times)
+def copied_steps(a: dict[int, dict], b: dict[int, dict]) -> list[int]:
+    """The common steps that ended at the same wall_time in both runs: records one run copied from the
+    other (a dump_dir copied, then resumed), whose agreement proves nothing."""
+    return sorted(s for s in a.keys() & b.keys()
+                  if is_finite_number(a[s].get("wall_time")) and a[s].get("wall_time") == b[s].get("wall_time"))
 
 
 def median_tflops(records: dict[int, dict]) -> float:
@@ -362,9 +363,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UnreadableMetrics(f"{opts.dump_a} and {opts.dump_b} hold the same metrics file: a run compared with "
                                     "itself proves nothing")
         a, b = read_metrics(opts.dump_a, notes), read_metrics(opts.dump_b, notes)
-        if copied(a, b):
+        same = copied_steps(a, b)
+        if same and len(same) == len(a.keys() & b.keys()):
             raise UnreadableMetrics(f"every common step of {opts.dump_a} and {opts.dump_b} ended at the same wall_time: "
                                     "one run is a copy of the other, which proves nothing")
+        if same:
+            notes.append(f"{len(same)} common step(s), {same[0]} to {same[-1]}, ended at the same wall_time in both "
+                         "runs: records copied from one run to the other, left out of the comparison")
+            a, b = ({s: r for s, r in run.items() if s not in same} for run in (a, b))
         fields = opts.fields or default_fields(a, b)
         rows, verdict, agree = compare(a, b, opts.rtol, fields)
     except UnreadableMetrics as e:

@@ -197,6 +197,17 @@ def test_misuse_that_would_prove_nothing_exits_2(tmp_path, capsys):
     assert "error: --plot /no/such/dir/x.png" in capsys.readouterr().err
 
 
+def test_records_copied_from_one_run_to_the_other_are_left_out(tmp_path, capsys):
+    """A dump_dir copied after step 2 and resumed on another layout: only step 3 was run by both."""
+    base = [{"step": s, "loss": 7.0 - s, "grad_norm": 1.0, "wall_time": 1.7e9 + s} for s in (1, 2)]
+    a = _write(tmp_path / "a", [*base, {"step": 3, "loss": 4.0, "grad_norm": 1.0, "wall_time": 1.7e9 + 3}])
+    b = _write(tmp_path / "b", [*base, {"step": 3, "loss": 4.0, "grad_norm": 1.0, "wall_time": 1.7e9 + 9}])
+    assert compare_runs.main([str(a), str(b), "--brief"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("bitwise equal over 1 step")
+    assert "2 common step(s), 1 to 2, ended at the same wall_time in both runs" in captured.err
+
+
 def test_partial_last_line_non_finite_values_unfinished_runs_and_config_differences_are_said(tmp_path, capsys):
     a, b = _dump(tmp_path / "a", [6.9, 6.1, 5.4]), _dump(tmp_path / "b", [6.9, 6.1, 5.4])
     with (b / "metrics.jsonl").open("a") as f:
