@@ -12,9 +12,13 @@ TINY = ("model=tiny", "seq_len=64", "batch_size=2", "log_all_steps=true", "metri
 
 
 def _scalars(dump_dir, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in _events(dump_dir, tag)}
+
+
+def _events(dump_dir, tag: str) -> list:
     events = EventAccumulator(str(dump_dir / "tb"))
     events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)}
+    return events.Scalars(tag)
 
 
 def test_tensorboard_events_hold_the_logged_steps_once(tmp_path):
@@ -27,6 +31,8 @@ def test_tensorboard_events_hold_the_logged_steps_once(tmp_path):
     assert sorted(loss) == sorted(records) == [1, 2, 3, 4, 5, 6]
     for step, value in loss.items():
         assert math.isclose(value, records[step]["loss"], rel_tol=1e-6), (step, value)
+    for event in _events(dump, "train/loss"):  # when the step ended, not when the scalar was written after eval
+        assert event.wall_time == records[event.step]["wall_time"], (event, records[event.step]["wall_time"])
     eval_loss = _scalars(dump, "eval/loss")
     assert sorted(eval_loss) == [2, 4, 6]
     assert math.isclose(eval_loss[4], records[4]["eval_loss"], rel_tol=1e-6)

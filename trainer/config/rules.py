@@ -259,6 +259,10 @@ def fusion_note(cfg: TrainConfig, compute_dtype: str) -> str | None:
 def start_notes(cfg: TrainConfig, dims: ParallelDims) -> list[str]:
     """What the log says at start-up about settings that are accepted but change less than they seem."""
     notes = layout_noops(cfg, dims)
+    if cfg.model.use_te_layers and dims.tp > 1:
+        notes.append("model.use_te_layers=true with model_parallel_size > 1: TransformerEngine issues the blocks' TP "
+                     "collectives itself, so metrics' comm and comm_wait_s leave them out (tflops_compute and "
+                     "mfu_compute read high)")
     if cfg.optim.lr == 0:
         notes.append("optim.lr=0: the weights will not change (the optimizer steps with a learning rate and a "
                      "weight decay of 0); the loss measures the model as loaded")

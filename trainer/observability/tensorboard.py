@@ -17,8 +17,8 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(dump_dir / TB_DIR), purge_step=start_step + 1)
 
     def log(self, m: StepMetrics) -> None:
-        for name, value in step_scalars(m).items():
-            self.writer.add_scalar(name, value, m.step)
+        for name, value in step_scalars(m).items():  # stamped when the step ended, as metrics.jsonl (not after eval)
+            self.writer.add_scalar(name, value, m.step, walltime=m.wall_time)
         self.writer.flush()
 
     def close(self) -> None:

@@ -247,6 +247,16 @@ def test_a_zero_learning_rate_is_accepted_with_a_note_and_a_negative_one_refused
         validate(load("optim.lr=-1e-3"), world_size=1)
 
 
+def test_te_blocks_under_tp_say_their_collectives_are_not_in_the_metrics():
+    """(validate refuses TE blocks without CUDA: the layout is given here.)"""
+    from parallel.mesh import ParallelDims
+
+    te_tp = load("model.use_te_layers=true", "model_parallel_size=2")
+    notes = start_notes(te_tp, ParallelDims.from_sizes(2, model_parallel_size=2))
+    assert any(n.startswith("model.use_te_layers=true with model_parallel_size > 1: TransformerEngine issues") for n in notes)
+    assert start_notes(load("model.use_te_layers=true"), ParallelDims.from_sizes(1)) == []
+
+
 def test_an_unquoted_tilde_says_how_to_write_it(capsys):
     """The shell leaves `~` after `=` as it is, and hydra's grammar refuses it with a bare lexer error."""
     with pytest.raises(SystemExit) as exit_:
