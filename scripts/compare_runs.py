@@ -231,7 +231,8 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
         if both_non_finite:
             verdict += f" ({both_non_finite} of {compared} values non-finite in both runs)"
     elif math.isinf(worst[0]):
-        verdict = f"values differ in kind at step {worst[1]} ({worst[2]}: missing or non-finite in one run)"
+        verdict = (f"values differ in kind at step {worst[1]} ({worst[2]}: missing or non-finite in one run, or "
+                   "non-finite in both but not the same: NaN, Inf, -Inf)")
     else:
         verdict = f"max rel diff {worst[0]:.3e} at step {worst[1]} ({worst[2]}){_unlogged(steps)}"
     if only:  # a difference, whatever the common steps show: said first
