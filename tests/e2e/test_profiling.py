@@ -36,3 +36,4 @@ def test_the_printed_table_lists_operators_not_python_frames(tmp_path):
     rows = [line for line in table.splitlines() if "%" in line]
     assert rows and all(".py(" not in row for row in rows), rows
     assert any("aten::" in row for row in rows)
+    assert "Input Shapes" in table  # what profile_with_stack adds to the table: calls told apart by shape

@@ -19,6 +19,7 @@ from trainer.config.schema import TrainConfig
 from trainer.outputs import TRACES_DIR
 
 TOP_OPERATORS = 15
+STACK_DEPTH = 5  # frames of the stack that tell calls apart in the printed table (profile_with_stack)
 # Python frames, recorded with profile_with_stack on every thread: an idle one (the dump_dir lock's
 # heartbeat waiting on its event) would top a table of operators.
 _PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
@@ -58,6 +59,9 @@ class _ProfiledStep:
             folder.mkdir(parents=True, exist_ok=True)
             self.prof.export_chrome_trace(str(folder / f"rank{owner.rank}.json"))
         elif owner.rank == 0:
-            operators = EventList([a for a in self.prof.key_averages() if not _PYTHON_FRAME.search(a.key)])
+            # With stacks and shapes recorded, the table keeps apart the calls they tell apart.
+            grouped = self.prof.key_averages(group_by_input_shape=owner.with_stack,
+                                             group_by_stack_n=STACK_DEPTH if owner.with_stack else 0)
+            operators = EventList([a for a in grouped if not _PYTHON_FRAME.search(a.key)])
             table = operators.table(sort_by="self_cpu_time_total", row_limit=TOP_OPERATORS)
             print(f"profile of step {self.step} (rank 0):\n{table}", file=sys.stderr, flush=True)
