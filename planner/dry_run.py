@@ -17,6 +17,7 @@ from parallel.mesh import ParallelDims
 from planner.rank_plan import compute_dtype, pipeline_timeline, schedule_name, stage_plan
 from planner.units import parameter_counts
 from trainer.config.schema import TrainConfig
+from trainer.config.vocab import planned_vocabulary
 from trainer.observability.flops import training_flops_per_token
 from trainer.outputs import PLAN_FILE
 
@@ -38,6 +39,7 @@ def planned_world(cfg: TrainConfig, launch: LaunchEnv) -> int:
 
 def plan(cfg: TrainConfig, dims: ParallelDims) -> dict:
     """Everything the dry run reports, as plan.json holds it."""
+    cfg = planned_vocabulary(cfg)
     stages = [stage_plan(cfg, dims, r) for r in range(dims.pp)]
     worst = max(stages, key=lambda s: s.memory["peak_bytes"])
     timeline = pipeline_timeline(cfg)

@@ -36,6 +36,7 @@ from planner.deferred_grads import DeferredOperands, chunk_deferred
 from planner.memory import ShardingPlan, UnitPlan, compute_steps, peak_memory
 from planner.units import rank_chunks, unit_sizes
 from trainer.config.schema import ModelConfig, TrainConfig
+from trainer.config.vocab import planned_vocabulary
 from trainer.parallelize import DTYPES
 
 
@@ -101,6 +102,7 @@ def _transient(cfg: TrainConfig, dtype: torch.dtype, acts: ChunkActivations, bat
 
 
 def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
+    cfg = planned_vocabulary(cfg)
     dtype = compute_dtype(cfg)
     acts = chunk_activations(activation_key(cfg, dtype), cfg.microbatch_size)
     held = (chunk_deferred(activation_key(cfg, dtype), cfg.microbatch_size) if splits_backward(cfg.pipeline_schedule)

@@ -31,6 +31,7 @@ from parallel.pipeline.simulate import simulate
 from planner.devices import DeviceProfile, oversubscribed_cores
 from planner.units import rank_chunks, unit_sizes
 from trainer.config.schema import TrainConfig
+from trainer.config.vocab import planned_vocabulary
 from trainer.observability.flops import training_flops_per_token
 
 # Bytes an fp32 AdamW step moves per parameter (trainer/optimizer.py). Op by op: mul_ (the decay), lerp_
@@ -210,6 +211,7 @@ def rank_kinds(cfg: TrainConfig, pp_rank: int) -> list[list[str]]:
 
 
 def predict(cfg: TrainConfig, dims: ParallelDims, device: DeviceProfile, dtype_bytes: int) -> StepTime:
+    cfg = planned_vocabulary(cfg)
     device = device.latencies_for(dims.world_size)
     c = _costs(cfg, dims, device, dtype_bytes)
     pp, vpp, microbatches = dims.pp, cfg.virtual_pipeline_stages, cfg.num_microbatches

@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from parallel.errors import ConfigError
 from parallel.launch_env import LaunchEnv
-from trainer.config.schema import unknown_key
+from trainer.config.schema import DERIVED, unknown_key
 
 RANK0_FIRST_S = 2.0
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -40,6 +40,9 @@ def check_overrides(overrides: list[str], launch: LaunchEnv, hydra_flags: bool =
     if deletions:  # the trainer would fill the deleted key with its built-in default, without a word
         exit_on_bad_input(f"{deletions[0]}: deleting a config key is not supported; set its value instead", launch,
                           code=2)
+    derived = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in DERIVED]
+    if derived:  # hydra would add it (with +), and the config would drop it as one a saved run holds
+        exit_on_bad_input(unknown_key(derived[0].split("=", 1)[0].lstrip("+")), launch, code=2)
     flags = [arg for arg in overrides if arg.startswith("-")]
     if flags and not hydra_flags:
         exit_on_bad_input(f"{flags[0]} is neither an override (key=value) nor one of this command's flags", launch,
@@ -64,7 +67,7 @@ def unknown_override_key(e: HydraException) -> str | None:
     named = re.match(r"Could not override '([^']+)'", str(e))
     if named is None or not isinstance(e.__cause__, ConfigAttributeError | ConfigKeyError):
         return None
-    key = named.group(1)
+    key = e.__cause__.full_key or named.group(1)  # a group given as a dict (optim={lrr:1}): its bad key
     return None if key.startswith("hydra.") else key
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -34,8 +35,8 @@ class ModelConfig(ModelArgs):
 
 # Fields set from other keys (max_seq_len from seq_len) or from the run's tokenizer (valid_vocab_size, as
 # the data is prepared), never given: a config written by an earlier run holds them, and they are derived
-# again as it is read.
-DERIVED = ("model.max_seq_len", "model.valid_vocab_size")
+# again as it is read. Given on the command line, one is refused (trainer/config/cli.py). Each: what sets it.
+DERIVED = {"model.max_seq_len": "seq_len", "model.valid_vocab_size": "the tokenizer's vocabulary (set model.vocab_size)"}
 
 
 @dataclass
@@ -223,6 +224,8 @@ def from_dict(raw: dict[str, Any]) -> TrainConfig:
 def unknown_key(key: str) -> str:
     """The error for a key TrainConfig does not have, with the nearest known one (a typo, mostly). A known key
     of a group that may be null is one hydra could not set (the group is null, or was given without it)."""
+    if key in DERIVED:
+        return f"{key} is not set directly: it follows from {DERIVED[key]}"
     group = key.rpartition(".")[0]
     if key in _known_keys(TrainConfig, "", group_fields=True) and group in _known_keys(TrainConfig, ""):
         return (f"{key} cannot be set where {group} is null or lacks it: give the whole group, "
@@ -297,6 +300,9 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if typ is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) > sys.float_info.max:
+                raise ConfigError(f"{key} must be a finite number (an integer of {len(str(abs(value)))} digits is "
+                                  "beyond any float)")
             if not math.isfinite(value):  # nan passes every range check; inf overflows timeouts
                 raise ConfigError(f"{key}={value} must be a finite number")
             return float(value)

@@ -58,6 +58,15 @@ def with_tokenizer_vocabulary(cfg: TrainConfig, ids: int, where: str) -> TrainCo
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size, valid_vocab_size=ids))
 
 
+def planned_vocabulary(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the vocabulary the trainer will build, where no tokenizer is at hand (a plan):
+    model.vocab_size stands for the tokenizer's ids (or is the padded size already), padded under
+    make_vocab_size_divisible_by to a multiple of it x this layout's model_parallel_size."""
+    if vocab_padding(cfg) is None or cfg.model.valid_vocab_size is not None:
+        return cfg
+    return with_tokenizer_vocabulary(cfg, cfg.model.vocab_size, "model.vocab_size")
+
+
 def exported_vocab_size(cfg: TrainConfig, ids: int, origin: dict | None = None) -> int:
     """The vocabulary an export writes, of a run whose tokenizer has `ids` ids: those, the padding dropped,
     except for a run started from a Hugging Face folder: the folder's own vocab_size (`origin`: its config.json

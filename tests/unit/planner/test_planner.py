@@ -146,3 +146,17 @@ def test_a_run_refuses_world_size_without_dry_run():
     cfg = compose_config(["world_size=4"])
     with pytest.raises(ConfigError, match="world_size=4 is read by dry_run=true only"):
         planned_world(cfg, LaunchEnv.from_torchrun())
+
+
+def test_a_padded_vocabulary_is_planned_as_the_trainer_builds_it():
+    """make_vocab_size_divisible_by pads the tokenizer's ids to a multiple of it x tp when the data is
+    prepared; a plan has no tokenizer, and built the unpadded vocabulary (50257 rows over tp=4: a crash;
+    where tp divided it, the plan counted fewer rows than training builds)."""
+    common = ["model=small", "dry_run=true", "world_size=4", "model_parallel_size=4"]
+    given = compose_config([*common, "model.vocab_size=50257", "make_vocab_size_divisible_by=128"])
+    report = plan(given, validate(given, 4))
+    padded = compose_config([*common, "model.vocab_size=50688"])  # 50257 rounded up to a multiple of 128 x 4
+    assert report["parameters"] == plan(padded, validate(padded, 4))["parameters"]
+    assert report["parameters"]["embedding"] == 50688 * padded.model.dim
+    h100 = load_device("h100")
+    assert given_layout(given, 4, h100).peak_bytes == given_layout(padded, 4, h100).peak_bytes

@@ -268,6 +268,26 @@ def test_an_unquoted_tilde_says_how_to_write_it(capsys):
         "trainer expands a leading ~ in its path keys) or data.source=$HOME/corpus\n")
 
 
+@pytest.mark.parametrize("override, line", [
+    # Added with +, a key the config derives was dropped as a saved run's copy: seq_len stayed as it was.
+    ("+model.max_seq_len=4096", "error: model.max_seq_len is not set directly: it follows from seq_len\n"),
+    ("model.max_seq_len=4096", "error: model.max_seq_len is not set directly: it follows from seq_len\n"),
+    ("+model.valid_vocab_size=100", "error: model.valid_vocab_size is not set directly: it follows from the "
+                                    "tokenizer's vocabulary (set model.vocab_size)\n"),
+    # A group given as a dict names its bad key, not the group.
+    ("optim={lrr:1}", "error: optim.lrr is not a known config key (did you mean optim.lr?)\n"),
+])
+def test_overrides_hydra_takes_but_the_config_would_misread_are_one_line(capsys, override, line):
+    with pytest.raises(SystemExit) as exit_:
+        check_overrides([override], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False, run_id="t"))
+    assert exit_.value.code == 2 and capsys.readouterr().err == line
+
+
+def test_an_integer_beyond_any_float_is_refused_for_a_float_key():
+    with pytest.raises(ConfigError, match=r"^comm_timeout_s must be a finite number \(an integer of 401 digits"):
+        load("comm_timeout_s=1" + "0" * 400)
+
+
 def test_a_quoted_tilde_in_a_path_key_is_expanded(monkeypatch):
     monkeypatch.setenv("HOME", "/home/someone")
     check_overrides(["data.source='~/corpus'"], LaunchEnv(rank=0, local_rank=0, world_size=1, torchrun=False,
