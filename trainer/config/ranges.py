@@ -84,6 +84,9 @@ def check_ranges(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.eps={cfg.optim.eps} must be >= {FP32_TINY:.4g} (> 0 in fp32): AdamW divides by "
                           "sqrt(v) + eps, and an entry whose gradients were all 0 so far (the embedding row of a "
                           "token not seen yet) would be updated by 0/0 = NaN")
+    if not cfg.model.norm_eps >= FP32_TINY:
+        raise ConfigError(f"model.norm_eps={cfg.model.norm_eps} must be >= {FP32_TINY:.4g} (> 0 in fp32): RMSNorm "
+                          "divides by sqrt(mean(x^2) + eps), and an all-zero row would give 0/0 = NaN")
     for key in ("optim.lr", "optim.eps", "optim.weight_decay", "optim.clip_grad_norm", "model.norm_eps",
                 "model.rope_theta"):
         if get_key(cfg, key) > FP32_MAX:

@@ -122,6 +122,9 @@ def _check_model(cfg: TrainConfig) -> None:
     m = cfg.model
     _divisible("model.dim", m.dim, "model.n_heads", m.n_heads)
     _divisible("model.n_heads", m.n_heads, "model.n_kv_heads", m.n_kv_heads)
+    if m.ffn_hidden_dim < 1:
+        raise ConfigError(f"ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)={m.ffn_hidden_dim} "
+                          "must be >= 1: the blocks would have no feed-forward layer")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
     check_deterministic_kernel(m.efficient_attn, cfg.enable_deterministic_training)

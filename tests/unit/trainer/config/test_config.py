@@ -98,6 +98,9 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
         (["optim.eps=0"], 1, "optim.eps=0.0 must be >= 1.175e-38 (> 0 in fp32): AdamW divides by sqrt(v) + eps"),
         (["optim.eps=1e-40"], 1, "optim.eps=1e-40 must be >= 1.175e-38"),
         (["model.ffn_dim_multiplier=0"], 1, "model.ffn_dim_multiplier=0.0 must be > 0 (or null)"),
+        (["model.ffn_dim_multiplier=0.001"], 1, "ffn hidden size (model.dim, model.ffn_dim_multiplier, "
+         "model.multiple_of)=0 must be >= 1"),
+        (["model.norm_eps=1e-50"], 1, "model.norm_eps=1e-50 must be >= 1.175e-38 (> 0 in fp32)"),
         (["seq_len=30", "context_parallel_size=2"], 2, "seq_len=30 is not divisible by 2 x context_parallel_size = 4 (each CP rank"),
         (["context_parallel_size=3", "seq_len=126"], 4,
          "world size 4 is not divisible by model_parallel_size=1 x pipeline_parallel_size=1 x context_parallel_size=3"),
