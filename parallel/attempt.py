@@ -44,11 +44,11 @@ def agreed_attempt(store: dist.Store, rank: int, world_size: int, restart_count:
         _wait_a_moment(deadline, "rank 0")  # an earlier attempt's number: rank 0 has yet to publish this one's
 
 
-def launch_name(store: dist.Store, number: int, restarts: int) -> str:
-    """This torchrun launch's name, the same in each of its attempts, from agreed_attempt's (number,
-    restarts). "" where a restart found a store of its own (torchrun's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1):
-    the launch cannot be named there."""
-    if number == 1 and restarts > 0:
+def launch_name(store: dist.Store, restarts: int, shared_store: bool) -> str:
+    """This torchrun launch's name, the same in each of its attempts; read once agreed_attempt returned
+    (`restarts`: its second value). "" for a restart where each attempt gets a store of its own
+    (`shared_store` false: torchrun's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): the launch cannot be named there."""
+    if restarts > 0 and not shared_store:
         return ""
     return store.get(_LAUNCH).decode()
 

@@ -30,6 +30,9 @@ class LaunchEnv:
     # The signals torchrun's agent handles itself (TORCHELASTIC_SIGNALS_TO_HANDLE): it terminates the
     # workers on them. Empty without an agent (no TORCHELASTIC_RUN_ID).
     agent_signals: tuple[str, ...] = ()
+    # Whether torchrun's restarts of the group share its rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    # unset, as by default), which names the launch (parallel/attempt.py).
+    shared_store: bool = True
 
     @classmethod
     def from_torchrun(cls) -> "LaunchEnv":
@@ -46,6 +49,7 @@ class LaunchEnv:
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
             agent_signals=tuple(s.strip().removeprefix("SIG") for s in env.get(
                 "TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNALS).split(",")) if "TORCHELASTIC_RUN_ID" in env else (),
+            shared_store=env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1",
         )
 
 

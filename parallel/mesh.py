@@ -180,7 +180,7 @@ def init_process_group(launch: LaunchEnv, device: torch.device,
         return 0, launch.run_id
     store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size))
     number, restarts = agreed_attempt(store, launch.rank, launch.world_size, launch.restart_count, timeout_s)
-    name = launch_name(store, number, restarts)
+    name = launch_name(store, restarts, launch.shared_store)
     # The attempt's own namespace of the store: the new group must not read the addresses a dead one
     # published (it would connect to dead peers and fail again).
     store = dist.PrefixStore(f"attempt_{number}/", store)

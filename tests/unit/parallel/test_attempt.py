@@ -55,15 +55,19 @@ def test_every_rank_agrees_on_each_attempt_in_turn(server) -> None:
 
 def test_each_attempt_of_a_launch_reads_its_name_and_the_next_launch_gets_another(server) -> None:
     """A launch is its store: every attempt in it reads the name its first one set; a rerun of the same
-    job id is a new torchrun with a new store. A restart on a store of its own cannot name its launch."""
+    job id is a new torchrun with a new store. A first attempt whose rank 0 died before numbering it
+    leaves the restart's number 1 with torchrun's count 1: still the launch's store. A restart on a store
+    of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) cannot name its launch."""
     first = _attempt(server, 2, [0, 0])[0]
-    name = launch_name(_client(server), *first)
+    name = launch_name(_client(server), first[1], shared_store=True)
     second = _attempt(server, 2, [1, 1], rank0_delay_s=0.3)[0]
-    assert second == (2, 1) and launch_name(_client(server), *second) == name and len(name) == 32
+    assert second == (2, 1) and launch_name(_client(server), second[1], shared_store=True) == name
+    assert len(name) == 32
     rerun = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    assert launch_name(_client(rerun), *_attempt(rerun, 2, [0, 0])[0]) not in ("", name)
+    unnumbered = _attempt(rerun, 2, [1, 1])[0]
+    assert unnumbered == (1, 1) and launch_name(_client(rerun), 1, shared_store=True) not in ("", name)
     fresh = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    assert launch_name(_client(fresh), *_attempt(fresh, 2, [1, 0])[0]) == ""
+    assert launch_name(_client(fresh), _attempt(fresh, 2, [1, 0])[0][1], shared_store=False) == ""
 
 
 def test_an_attempt_that_died_before_sealing_is_left_behind(server) -> None:
