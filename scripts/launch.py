@@ -130,8 +130,8 @@ def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int,
         nodes=nodes, tasks_per_node=1, gpus_per_node=gpus_per_node or None, timeout_min=timeout_min,
         slurm_partition=partition, slurm_signal_delay_s=warning_s, name="llm-train",
     )
-    if cpus_per_task is not None:
-        executor.update_parameters(cpus_per_task=cpus_per_task)
+    if cpus_per_task is not None:  # srun does not inherit sbatch's count (Slurm 22.05 on): passed on, as train.sbatch
+        executor.update_parameters(cpus_per_task=cpus_per_task, slurm_srun_args=[f"--cpus-per-task={cpus_per_task}"])
     return executor
 
 

@@ -278,6 +278,7 @@ def test_submitit_requeues_a_long_run_through_many_time_limits(tmp_path, monkeyp
     executor = slurm_executor(tmp_path, nodes=2, gpus_per_node=8, timeout_min=60, partition="gpu", cpus_per_task=96,
                               warning_s=600)
     assert executor._executor.parameters["cpus_per_task"] == 96
+    assert executor._executor.parameters["srun_args"] == ["--cpus-per-task=96"]  # srun does not inherit it
     assert executor._executor.parameters["signal_delay_s"] == 600
 
 
