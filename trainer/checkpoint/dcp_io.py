@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from parallel import comm
 from parallel.fsdp.state_dict import BoxedParameter
 from trainer.checkpoint.files import CheckpointError, last_line, write_failure
 
@@ -110,16 +111,22 @@ def load_state(path: Path, state: dict, group: ProcessGroup | None) -> None:
     """Load into the tensors of `state` in place; any failure becomes one CheckpointError line. A tensor
     whose saved boxes leave a gap, or that was saved in another dtype, is refused first: DCP fills only
     what its chunks cover, and would leave the rest of a parameter as it was without a word, and casts
-    without one (a float64 step count 3.9 loads as 3)."""
+    without one (a float64 step count 3.9 loads as 3). The refusal is every rank's: each checks its own
+    tensors (pipeline stages hold different ones), and a rank that went on into DCP's collectives alone
+    would wait there for the others."""
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
-        gap = first_gap(metadata) or first_dtype_change(metadata, state)
-        if gap is None:
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
+        refusal = first_gap(metadata) or first_dtype_change(metadata, state)
+    except Exception as e:  # a damaged pickle raises almost anything
+        refusal = last_line(e)
+    if comm.size_of(group) > 1:
+        refusal = next((r for r in comm.all_gather_object(refusal, group) if r is not None), None)
+    if refusal is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {refusal}")
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {last_line(e)}")
-    if gap is not None:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {gap}")
 
 
 def first_gap(metadata: Metadata) -> str | None:
