@@ -12,6 +12,7 @@ all-reduced (two all-reduces); the logits are never gathered.
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from parallel import comm
 from parallel.tensor_parallel import TPContext
@@ -26,7 +27,8 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, local_valid):
-        probs = logits.to(torch.float32, copy=True)  # this function's own: every step below is in place
+        # This function's own copy, contiguous (the backward views it by rows): every step below is in place.
+        probs = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         # Padding columns get no probability, so no gradient; a rank of padding only has a max of -inf,
         # which the MAX all-reduce replaces by the other ranks'.
         probs[..., local_valid:] = float("-inf")
@@ -49,6 +51,7 @@ class _CrossEntropy(torch.autograd.Function):
         return loss.masked_fill(ignored, 0.0)
 
     @staticmethod
+    @once_differentiable  # the gradient is made in place from saved data: no graph of its own
     def backward(ctx, grad_loss):
         grad, local, outside, ignored = ctx.saved_tensors  # the softmax, made the gradient in place
         rows = grad.view(-1, grad.shape[-1])

@@ -49,6 +49,7 @@ class ShardingPlan:
     aliases_shard: bool = False  # a one-rank group in fp32: the unsharded parameters are the shard itself
     fuses: bool = False  # gradient_accumulation_fusion (fp32): the GEMMs write the accumulator as they run
     cuts_views: bool = False  # optimize_backward_concat: before the last microbatch, gradients added as they come
+    reduce_bytes: int = FP32  # element size of a reduction in flight: reduce_dtype (its fp32 gradient goes once cast)
 
     def shard(self, numel: int) -> int:
         return -(-numel // self.world)
@@ -86,7 +87,7 @@ class _State:
         # Each chunk's FSDP root has its own queue: [unit, collectives left, lands as the step's gradient]
         self.reductions: list[deque] = [deque() for _ in chunks]
         self.reducing = 0  # bytes of the unsharded gradients in reduction
-        self.reducing_bytes = lambda k: FP32 * plan.padded(numel[k])
+        self.reducing_bytes = lambda k: plan.reduce_bytes * plan.padded(numel[k])
         self.fixed = {"parameter_shards": FP32 * shards, "optimizer_state": 2 * FP32 * shards}
         self.activations = 0
         self.deferred = 0  # the W operands of the Bs whose W has not run
@@ -227,8 +228,7 @@ def compute_steps(program: list[Action]) -> tuple[tuple[str, int, bool], ...]:
 def peak_memory(steps: tuple[tuple[str, int, bool], ...], chunks: list[list[UnitPlan]],
                 plan: ShardingPlan) -> tuple[dict, dict]:
     """The rank's bytes by category at the peak of their sum over one step of a program (compute_steps),
-    and at the peak of what mem_snapshot_stop_step measures, in its categories (the gradients in reduction
-    it does not see).
+    and at the peak of what mem_snapshot_stop_step measures, in its categories.
 
     The whole program, without running its steady state over and over: what happens next depends only on
     the state and the steps to come, so once the state is one seen L steps ago and the last L steps come

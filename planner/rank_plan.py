@@ -2,8 +2,8 @@
 its peak memory by category, the same at the peak of what the CPU snapshot measures, and the pipeline
 program's simulated bubble.
 
-Categories: what mem_snapshot_stop_step measures (memory.py), plus the buffers it does not see:
-  reducing_gradients  the unsharded fp32 gradients of the reductions in flight
+Categories: what mem_snapshot_stop_step measures (memory.py; the unsharded gradients of the reductions
+in flight, in reduce_dtype, among them), plus the buffers it does not see:
   p2p_buffers         a pipeline rank's tensors in transit: two outgoing (a send is waited at the next
                       batch) and a batch's receives (the program's widest; posted a batch ahead on CPU)
   fp8_state           the fp8 GEMMs' amax histories and scales (buffers of the blocks, from the meta model),
@@ -125,7 +125,8 @@ def stage_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> StagePlan:
                         before_last + int(dims.dp_replicate > 1), before_last,
                         aliases_shard=aliases_shard(world, dtype, cfg.model.fp8_all_gather),
                         fuses=cfg.gradient_accumulation_fusion and dtype == torch.float32,
-                        cuts_views=cfg.optimize_backward_concat and cfg.grad_reduce == "last_microbatch")
+                        cuts_views=cfg.optimize_backward_concat and cfg.grad_reduce == "last_microbatch",
+                        reduce_bytes=DTYPES[cfg.reduce_dtype].itemsize)
     steps, batch_receives = _rank_program(cfg.pipeline_schedule, dims.pp, cfg.virtual_pipeline_stages,
                                           cfg.num_microbatches, pp_rank)
     measured, snapshot = peak_memory(steps, units, plan)

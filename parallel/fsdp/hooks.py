@@ -156,4 +156,5 @@ def _start_reduction(unit: FSDPUnit, root: FSDPRoot, last_microbatch: bool) -> N
     flat_grad = unsharded_grad(unit)
     unit.release_main_grads()
     reduction = reduce_gradient(unit, flat_grad, last_microbatch)
-    root.reductions.push(reduction, flat_grad.numel() * flat_grad.element_size())
+    # What it holds in flight: its reduce_dtype copy (the fp32 gradient goes once cast, grad_sync.py).
+    root.reductions.push(reduction, flat_grad.numel() * unit.cfg.reduce_dtype.itemsize)

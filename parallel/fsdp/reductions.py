@@ -19,7 +19,7 @@ class ReductionQueue:
 
     @property
     def bytes_in_flight(self) -> int:
-        """Bytes of the unsharded gradients the reductions in flight keep alive."""
+        """Bytes of the unsharded gradients the reductions in flight keep alive, as each was pushed with."""
         return sum(nbytes for _, nbytes in self._in_flight)
 
     def push(self, reduction: Iterator[None], nbytes: int) -> None:

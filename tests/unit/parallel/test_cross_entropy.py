@@ -62,6 +62,18 @@ def test_the_logits_are_left_as_they_were():
     assert torch.equal(logits.detach(), before) and logits._version == 0
 
 
+def test_permuted_logits_are_read_as_they_are():
+    logits = torch.randn(5, 2, 50).transpose(0, 1).requires_grad_()
+    targets = torch.randint(0, 50, (2, 5))
+    loss = vocab_parallel_cross_entropy(logits, targets, TPContext())
+    reference = logits.detach().clone().requires_grad_()
+    expected = F.cross_entropy(reference.flatten(0, 1), targets.flatten(), reduction="none").view(2, 5)
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    loss.sum().backward()
+    expected.sum().backward()
+    assert torch.allclose(logits.grad, reference.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_a_second_backward_through_the_same_graph_raises():
     """The backward turns the saved softmax into the gradient in place: reading it again must fail."""
     logits = torch.randn(4, 50, requires_grad=True)

@@ -182,3 +182,14 @@ def test_fp8_state_counts_the_weight_casts_the_gemms_keep(all_gather):
 def block_rotary(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     rope = Transformer(cfg.model, TPContext(), range(0), embedding=False, head=False).rope
     return rope(torch.arange(SEQ), torch.float32)
+
+
+def test_a_bf16_reduction_in_flight_is_planned_at_its_bf16_bytes():
+    """With reduce_dtype=bf16 a reduction in flight holds its bf16 copy only (the fp32 gradient goes once
+    cast: tests/distributed/test_fsdp_grad_reduce.py); the plan counts it so, as the CPU snapshot does."""
+    reducing = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = compose_config(["model=small", f"seq_len={SEQ}", "compute_dtype=fp32", "batch_size=2", "dry_run=true",
+                              "world_size=2", f"reduce_dtype={dtype}", "grad_reduce=per_microbatch"])
+        reducing[dtype] = plan(cfg, validate(cfg, 2))["memory"]["per_rank"][0]["snapshot_peak"]["reducing_gradients"]
+    assert reducing["fp32"] > 0 and reducing["bf16"] * 2 == reducing["fp32"]
