@@ -67,7 +67,8 @@ def unknown_override_key(e: HydraException) -> str | None:
     named = re.match(r"Could not override '([^']+)'", str(e))
     if named is None or not isinstance(e.__cause__, ConfigAttributeError | ConfigKeyError):
         return None
-    key = e.__cause__.full_key or named.group(1)  # a group given as a dict (optim={lrr:1}): its bad key
+    key, inner = named.group(1), e.__cause__.full_key or ""
+    key = inner if inner.startswith(f"{key}.") else key  # a group given as a dict (optim={lrr:1}): its bad key
     return None if key.startswith("hydra.") else key
 
 
