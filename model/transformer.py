@@ -144,8 +144,9 @@ class Transformer(nn.Module):
         return self.head(h, self.tok_embeddings.weight if self.head.output is None else None)
 
     def _documents(self, ids: torch.Tensor, dtype: torch.dtype) -> Documents:
-        """The microbatch's documents, their mask and its bias made once for every layer (`dtype`: the blocks')."""
+        """The microbatch's documents, their mask and its bias made once for every layer (`dtype`: the blocks';
+        the math formula takes the bool mask, so no bias is made for it)."""
         if self.cp.size > 1:
             return Documents(ids, None)
         mask = block_causal_mask(ids)
-        return Documents(ids, mask, attention_bias(mask, dtype))
+        return Documents(ids, mask, None if self.args.efficient_attn == "math" else attention_bias(mask, dtype))

@@ -8,7 +8,6 @@ import socket
 import time
 from dataclasses import dataclass
 
-
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default TORCHELASTIC_SIGNALS_TO_HANDLE
 
 

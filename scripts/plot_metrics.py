@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.metrics_file import UnreadableMetrics, is_finite_number, read_metrics, run_folder  # noqa: E402
 from scripts.image_output import image_problem  # noqa: E402
+from scripts.metrics_file import UnreadableMetrics, is_finite_number, read_metrics, run_folder  # noqa: E402
 
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mem_peak_gib", "peak memory (GiB)"), ("lr", "learning rate"))
 Curves = dict[str, tuple[list[int], list[float]]]  # field -> (steps that logged it, values)

@@ -21,11 +21,11 @@ from torch.distributed import ProcessGroup
 
 from model.fp8 import WEIGHT, Fp8Gemm, discard_step_amaxes, fp8_gemms, note_set_scales, update_scaling
 from parallel import comm
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.fsdp import FSDPRoot, grad_norm, sum_tied_grads, unit_norms
 from parallel.mesh import ParallelMesh
 from parallel.pipeline.runtime import ChunkKwargs, PipelineRuntime
 from parallel.regional_compile import reset_compilation
-from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import TPContext
 from trainer.config.schema import TrainConfig
 from trainer.data.loader import BatchLoader

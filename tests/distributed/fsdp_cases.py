@@ -7,9 +7,9 @@ from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import Transformer
 from parallel import comm
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.fsdp import FSDPConfig, FSDPRoot, TPGroups, fully_shard
 from parallel.fsdp.flat_param import unflatten
-from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import TPContext, tp_merge
 
 ARGS = ModelArgs(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8)

@@ -9,9 +9,9 @@ from model.args import ModelArgs
 from model.init import init_weights
 from model.transformer import RMSNorm, Transformer
 from parallel import comm
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.fsdp import FSDPConfig, grad_norm
 from parallel.mesh import ParallelDims, ParallelMesh
-from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import TPContext, tp_merge
 from tests.distributed import fsdp_cases
 from tests.distributed.spawn import run_ranks

@@ -40,9 +40,9 @@ def check_overrides(overrides: list[str], launch: LaunchEnv, hydra_flags: bool =
     if deletions:  # the trainer would fill the deleted key with its built-in default, without a word
         exit_on_bad_input(f"{deletions[0]}: deleting a config key is not supported; set its value instead", launch,
                           code=2)
-    derived = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") in DERIVED]
+    derived = [key for o in overrides if "=" in o and (key := o.split("=", 1)[0].lstrip("+")) in DERIVED]
     if derived:  # hydra would add it (with +), and the config would drop it as one a saved run holds
-        exit_on_bad_input(unknown_key(derived[0].split("=", 1)[0].lstrip("+")), launch, code=2)
+        exit_on_bad_input(unknown_key(derived[0]), launch, code=2)
     flags = [arg for arg in overrides if arg.startswith("-")]
     if flags and not hydra_flags:
         exit_on_bad_input(f"{flags[0]} is neither an override (key=value) nor one of this command's flags", launch,

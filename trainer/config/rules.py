@@ -123,20 +123,25 @@ def _check_model(cfg: TrainConfig) -> None:
     _divisible("model.dim", m.dim, "model.n_heads", m.n_heads)
     _divisible("model.n_heads", m.n_heads, "model.n_kv_heads", m.n_kv_heads)
     if m.ffn_hidden_dim < 1:
-        raise ConfigError(f"ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)={m.ffn_hidden_dim} "
-                          "must be >= 1: the blocks would have no feed-forward layer")
+        raise ConfigError(f"{_ffn_size_keys(m)}={m.ffn_hidden_dim} must be >= 1: the blocks would have no "
+                          "feed-forward layer")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
     check_deterministic_kernel(m.efficient_attn, cfg.enable_deterministic_training)
+
+
+def _ffn_size_keys(m: ModelConfig) -> str:
+    """The keys that set the SwiGLU hidden size, for error lines."""
+    if m.intermediate_size is not None:
+        return "model.intermediate_size"
+    return "ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)"
 
 
 def _check_parallel_divisibility(cfg: TrainConfig) -> None:
     m, tp = cfg.model, cfg.model_parallel_size
     _divisible("model.n_heads", m.n_heads, "model_parallel_size", tp)
     _divisible("model.n_kv_heads", m.n_kv_heads, "model_parallel_size", tp)
-    ffn_keys = ("model.intermediate_size" if m.intermediate_size is not None
-                else "ffn hidden size (model.dim, model.ffn_dim_multiplier, model.multiple_of)")
-    _divisible(ffn_keys, m.ffn_hidden_dim, "model_parallel_size", tp)
+    _divisible(_ffn_size_keys(m), m.ffn_hidden_dim, "model_parallel_size", tp)
     if cfg.make_vocab_size_divisible_by is None and m.vocab_size % tp:  # the key pads to a multiple of tp
         raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by model_parallel_size={tp}: pad it "
                           "(make_vocab_size_divisible_by, or a larger model.vocab_size)")

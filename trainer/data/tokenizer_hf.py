@@ -141,4 +141,3 @@ def _untruncated(tok: "Tokenizer") -> "Tokenizer":
     tok.no_truncation()
     tok.no_padding()
     return tok
-

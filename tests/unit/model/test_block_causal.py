@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.args import ModelArgs
 from model import attention
+from model.args import ModelArgs
 from model.attention import Documents, attention_bias, block_causal_mask, causal_attention
 from model.init import init_weights
 from model.transformer import Transformer

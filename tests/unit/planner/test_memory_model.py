@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_leaves
 from model.fp8 import Fp8Gemm
 from model.transformer import Transformer, TransformerBlock
 from parallel import weight_grads
-from parallel.pipeline.schedule import BACKWARD, WEIGHT, pipeline_actions
 from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.pipeline.schedule import BACKWARD, WEIGHT, pipeline_actions
 from parallel.tensor_parallel import TPContext
 from planner import fake_world, memory
 from planner.activations import ActivationKey, sequence_activations

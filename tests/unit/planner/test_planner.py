@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from model.transformer import Transformer
-from parallel.errors import ConfigError
 from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.errors import ConfigError
 from parallel.tensor_parallel import TPContext
 from planner.activations import ActivationKey, sequence_activations
 from planner.config import compose_config
