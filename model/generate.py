@@ -27,7 +27,10 @@ class Sampling:
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """`probs` [vocab] with all but the nucleus zeroed: the most likely tokens, in order, until their
-    mass reaches top_p (the token that reaches it included, so the most likely one always stays)."""
+    mass reaches top_p (the token that reaches it included, so the most likely one always stays).
+    top_p=1 keeps every token: an fp32 cumsum can reach 1.0 before the tail and would drop it."""
+    if top_p >= 1:
+        return probs
     ordered, order = probs.sort(descending=True)
     mass_before = ordered.cumsum(0) - ordered
     ordered = ordered.masked_fill(mass_before >= top_p, 0.0)

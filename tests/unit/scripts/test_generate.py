@@ -105,6 +105,9 @@ def test_sampling_is_reproducible_and_top_p_filters(llama31) -> None:
     assert top_p_filter(probs, 0.5).tolist() == [0.0, 0.5, 0.0]
     assert top_p_filter(probs, 0.75).tolist() == [0.0, 0.5, 0.375]
     assert top_p_filter(probs, 1.0).tolist() == probs.tolist()
+    # A peaked fp32 distribution over Llama 3's vocabulary: its cumsum reaches 1.0 before the tail ends.
+    peaked = torch.softmax(torch.randn(128256, generator=torch.Generator().manual_seed(0)) * 5, dim=-1)
+    assert torch.equal(top_p_filter(peaked, 1.0), peaked)
 
 
 def test_a_checkpoint_generates_what_its_hugging_face_export_does(llama31, world, tmp_path: Path) -> None:
