@@ -62,6 +62,11 @@ def check_virtual_split(n_layers: int, pp: int, per_stage: int, first: int | Non
     ends = [n for n in (first, last) if n is not None]
     rest = n_layers - sum(ends)
     stages = rest // per_stage + len(ends) if rest >= 0 else 0
+    if per_stage and rest == 0:
+        raise ConfigError(
+            f"{_describe(n_layers, first, last)} leaves no layer for stages of num_layers_per_virtual_pipeline_stage"
+            f"={per_stage}: it would size no stage; unset it"
+        )
     if rest < 0 or rest % per_stage or stages % pp or stages == 0:
         raise ConfigError(
             f"{_describe(n_layers, first, last)} leaves {rest} layers for stages of num_layers_per_virtual_pipeline_stage"

@@ -47,6 +47,11 @@ def effective_schedule(schedule: str, vpp: int) -> str:
     return "interleaved_1f1b" if schedule == "1f1b" and vpp > 1 else schedule
 
 
+# How virtual stages are counted, for the refusals that ask for a number of them.
+_STAGES = (" (model.n_layers / num_layers_per_virtual_pipeline_stage, where pipeline_first_stage_layers and "
+           "pipeline_last_stage_layers, if set, are one stage each and not in n_layers)")
+
+
 def check_layout(schedule: str, vpp: int) -> None:
     """Which schedules take virtual stages; one line naming the keys otherwise."""
     if schedule not in SCHEDULES:
@@ -54,7 +59,7 @@ def check_layout(schedule: str, vpp: int) -> None:
     if schedule == "interleaved_1f1b" and vpp < 2:
         raise ConfigError(
             f"pipeline_schedule=interleaved_1f1b needs at least 2 virtual stages per rank, got {vpp} (set "
-            "num_layers_per_virtual_pipeline_stage so that model.n_layers / (pipeline_parallel_size x it) >= 2)"
+            f"num_layers_per_virtual_pipeline_stage so that the stages number at least 2 x pipeline_parallel_size{_STAGES})"
         )
     if schedule == "gpipe" and vpp > 1:
         raise ConfigError(
@@ -69,7 +74,7 @@ def check_layout(schedule: str, vpp: int) -> None:
     if schedule == "zbv" and vpp != 2:
         raise ConfigError(
             f"pipeline_schedule=zbv runs exactly 2 chunks per rank, got {vpp}: set "
-            "num_layers_per_virtual_pipeline_stage so that model.n_layers / (pipeline_parallel_size x it) = 2"
+            f"num_layers_per_virtual_pipeline_stage so that the stages number 2 x pipeline_parallel_size{_STAGES}"
         )
 
 

@@ -32,7 +32,7 @@ def schedule_summary(schedule: str, pp: int, vpp: int, microbatches: int) -> str
         if interleaved_peak(pp, vpp, microbatches, warmup_group) > interleaved_peak_bound(pp, vpp, microbatches):
             text += " (it holds more than the memory bound: no order within it is as fast as plain 1f1b)"
     text += (f", simulated bubble {timeline.bubble_fraction:.1%}, "
-             f"peak {max(timeline.peak_microbatches):.3g} microbatches held")
+             f"peak {round(max(timeline.peak_microbatches), 2):g} microbatches held")
     if schedule != "1f1b":
         plain = simulate(pipeline_actions("1f1b", pp, 1, microbatches), pp, 1, sends_block=False)
         # Equal total work: the smaller bubble is the shorter step.

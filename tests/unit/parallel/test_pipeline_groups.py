@@ -111,6 +111,7 @@ def test_the_summary_names_groups_bubble_peak_and_the_1f1b_comparison(monkeypatc
     assert "peak 5.67 microbatches held" in line and line.endswith("would be no faster")
     assert " (it holds more than the memory bound" in schedule_summary("1f1b", 8, 2, 13)
     assert "group" not in schedule_summary("1f1b", 4, 1, 8) and "\n" not in line
+    assert "peak 1234 microbatches held" in schedule_summary("gpipe", 2, 1, 1234)  # not 1.23e+03
     # An order slower than 1F1B (Megatron's groups of 5 + 3) is reported as such.
     megatrons = lambda pp, vpp, m: ((5, 3), 5)  # noqa: E731
     monkeypatch.setattr(S, "interleaved_groups", megatrons)

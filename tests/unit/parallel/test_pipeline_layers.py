@@ -61,6 +61,9 @@ def test_virtual_splits_that_do_not_fill_whole_chunks_are_one_line():
         with pytest.raises(ConfigError, match="num_layers_per_virtual_pipeline_stage=") as err:
             check_virtual_split(n_layers, pp, per_stage, first, last)
         assert "pipeline_first_stage_layers" in str(err.value) and "\n" not in str(err.value)
+    # The adjusted ends take every layer: the key would size no stage (it was accepted and unused).
+    with pytest.raises(ConfigError, match="leaves no layer for stages of num_layers_per_virtual_pipeline_stage=3"):
+        check_virtual_split(2, 2, 3, 1, 1)
 
 
 def _config(**overrides):

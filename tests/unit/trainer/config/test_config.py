@@ -129,6 +129,12 @@ def test_llama3_2_1b_is_tied_and_shaped_as_published():
          "pipeline_schedule=zero_bubble is not one of: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv"),
         (["pipeline_parallel_size=2", "pipeline_schedule=zbv"], 2,
          "pipeline_schedule=zbv runs exactly 2 chunks per rank, got 1: set num_layers_per_virtual_pipeline_stage"),
+        # The count it asks for is of stages, the adjusted ends one each (n_layers / (pp x L) misled here).
+        (["model.n_layers=10", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=2",
+          "pipeline_first_stage_layers=1", "pipeline_last_stage_layers=1", "pipeline_schedule=zbv"], 2,
+         "pipeline_schedule=zbv runs exactly 2 chunks per rank, got 3: set num_layers_per_virtual_pipeline_stage so "
+         "that the stages number 2 x pipeline_parallel_size (model.n_layers / num_layers_per_virtual_pipeline_stage, "
+         "where pipeline_first_stage_layers and pipeline_last_stage_layers, if set, are one stage each"),
         (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
           "pipeline_schedule=zbv", "compile=true"], 2, "compile=true with pipeline_schedule=zbv is not supported"),
         (["model.n_layers=4", "pipeline_parallel_size=2", "num_layers_per_virtual_pipeline_stage=1",
