@@ -50,19 +50,23 @@ def plan(cfg: TrainConfig, dims: ParallelDims) -> dict:
               "microbatches": cfg.num_microbatches, "schedule": schedule_name(cfg),
               "layer_ckpt": cfg.model.layer_ckpt, "reshard_after_forward": cfg.reshard_after_forward,
               "grad_reduce": cfg.grad_reduce, "compute_dtype": str(compute_dtype(cfg)).removeprefix("torch.")}
+    # Every rank of a stage holds the same shapes: a stage's peak is each of its ranks' (pp is outermost).
+    per_rank = [s.memory["peak_bytes"] for s in stages for _ in range(s.ranks[0], s.ranks[1] + 1)]
     return {
         "world_size": dims.world_size,
         "layout": layout,
         "parameters": {**parameter_counts(cfg.model),
-                       "per_rank": [{"pp_rank": s.pp_rank, "ranks": list(s.ranks), "parameters": s.parameters}
-                                    for s in stages]},
+                       "per_stage": [{"pp_rank": s.pp_rank, "ranks": list(s.ranks), "parameters": s.parameters}
+                                     for s in stages]},
         "memory": {"peak_bytes": worst.memory["peak_bytes"], "worst_pp_rank": worst.pp_rank,
-                   "per_rank": [{"pp_rank": s.pp_rank, "ranks": list(s.ranks), "peak_bytes": s.memory["peak_bytes"],
-                                 "snapshot_peak": s.snapshot,
-                                 "categories": {k: v for k, v in s.memory.items() if k != "peak_bytes"}}
-                                for s in stages]},
+                   "peak_bytes_per_rank": per_rank,
+                   "per_stage": [{"pp_rank": s.pp_rank, "ranks": list(s.ranks), "peak_bytes": s.memory["peak_bytes"],
+                                  "snapshot": s.snapshot,
+                                  "categories": {k: v for k, v in s.memory.items() if k != "peak_bytes"}}
+                                 for s in stages]},
         "flops": {"per_token": per_token, "per_step": per_token * tokens, "tokens_per_step": tokens},
-        "pipeline": {"bubble_fraction": timeline.bubble_fraction, "peak_microbatches": timeline.peak_microbatches},
+        "pipeline": {"bubble_fraction": timeline.bubble_fraction,
+                     "most_microbatches_held": timeline.peak_microbatches},
     }
 
 
@@ -72,15 +76,15 @@ def _size(nbytes: float) -> str:
 
 def summary(report: dict) -> list[str]:
     params, memory, layout = report["parameters"], report["memory"], report["layout"]
-    worst = memory["per_rank"][memory["worst_pp_rank"]]
+    worst = memory["per_stage"][memory["worst_pp_rank"]]
     shown = ", ".join(f"{k}={v}" for k, v in layout.items())
     lines = [f"dry run: {report['world_size']} ranks: {shown}",
              f"parameters: {params['total']:,} total, {params['embedding']:,} embedding, "
-             f"{max(r['parameters'] for r in params['per_rank']):,} on the largest rank (TP-local)",
+             f"{max(r['parameters'] for r in params['per_stage']):,} on the largest rank (TP-local)",
              f"peak memory: {_size(memory['peak_bytes'])} on pipeline stage {worst['pp_rank']} (ranks "
              f"{worst['ranks'][0]}..{worst['ranks'][1]}), by category:"]
     lines += [f"  {k:<22} {_size(v):>12}" for k, v in worst["categories"].items()]
-    others = [f"stage {r['pp_rank']} {_size(r['peak_bytes'])}" for r in memory["per_rank"]]
+    others = [f"stage {r['pp_rank']} {_size(r['peak_bytes'])}" for r in memory["per_stage"]]
     if len(others) > 1:
         lines.append("peak per pipeline stage: " + ", ".join(others))
     flops = report["flops"]

@@ -260,7 +260,7 @@ class FSDPUnit:
         """Point the module's parameters at views of the unsharded flat parameter.
 
         Connected views have their gradients written into the unit's fp32 flat gradient accumulator by
-        one backward (_ConnectedViews). With optimize_backward_concat that happens once per step, on the
+        one backward (_FlatParamSplitWithSizes). With optimize_backward_concat that happens once per step, on the
         last microbatch, whose flat gradient is then reduced; on the earlier microbatches the views are
         cut from the flat parameter and each view's gradient lands in its own leaf, where a hook adds it
         in place into the accumulator, with no concat. Without the option, or when every microbatch
@@ -268,7 +268,7 @@ class FSDPUnit:
         """
         cut = self.cfg.optimize_backward_concat and self.cfg.grad_reduce == "last_microbatch"
         if self.is_last_microbatch or not cut:
-            views = list(_ConnectedViews.apply(self, self._full))
+            views = list(_FlatParamSplitWithSizes.apply(self, self._full))
         else:
             views = _cut_views(self)
         for index, view in enumerate(views):
@@ -345,7 +345,7 @@ def _materialize_buffers(unit_name: str, module: nn.Module, init: Initializer | 
             module.get_submodule(owner)._buffers[attr] = init.buffer(f"{unit_name}.{name}", buf)
 
 
-class _ConnectedViews(torch.autograd.Function):
+class _FlatParamSplitWithSizes(torch.autograd.Function):
     """The parameter views of the unsharded flat parameter, connected to it in autograd: the engine
     collects every view's gradient and runs one backward, which hands them to the unit (the concat).
     The node holds the unit weakly: the installed views hold the node, the module holds the views, and
@@ -364,7 +364,7 @@ class _ConnectedViews(torch.autograd.Function):
         return None, None
 
 
-CONCAT_EVENT = f"{_ConnectedViews.__name__}Backward"  # the concat's name in autograd profiles
+CONCAT_EVENT = f"{_FlatParamSplitWithSizes.__name__}Backward"  # the concat's name in autograd profiles
 
 
 def _cut_views(unit: FSDPUnit) -> list[torch.Tensor]:

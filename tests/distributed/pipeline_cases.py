@@ -140,14 +140,14 @@ def counting_concats() -> Iterator[list[int]]:
     """Counts the flat-gradient concats autograd runs (the backward of a unit's connected parameter
     views, CONCAT_EVENT in a profile) in a one-element list: a profiler's events cost minutes to
     parse across the pipeline tests' runs, a counter nothing."""
-    count, backward = [0], fsdp_unit._ConnectedViews.backward
+    count, backward = [0], fsdp_unit._FlatParamSplitWithSizes.backward
 
     def counted(ctx, *grads):
         count[0] += 1
         return backward(ctx, *grads)
 
-    fsdp_unit._ConnectedViews.backward = staticmethod(counted)
+    fsdp_unit._FlatParamSplitWithSizes.backward = staticmethod(counted)
     try:
         yield count
     finally:
-        fsdp_unit._ConnectedViews.backward = staticmethod(backward)
+        fsdp_unit._FlatParamSplitWithSizes.backward = staticmethod(backward)

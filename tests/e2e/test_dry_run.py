@@ -19,7 +19,7 @@ def test_dry_run_plans_1024_ranks_from_one_process(tmp_path):
     assert time.perf_counter() - start < 60
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 1024 and plan["layout"]["dp_shard"] == 8
-    worst = max(plan["memory"]["per_rank"], key=lambda s: s["peak_bytes"])
+    worst = max(plan["memory"]["per_stage"], key=lambda s: s["peak_bytes"])
     assert plan["memory"]["peak_bytes"] == worst["peak_bytes"] < 80 * 10**9
     assert f"on pipeline stage {worst['pp_rank']} (ranks {worst['ranks'][0]}..{worst['ranks'][1]})" in proc.stdout
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -37,7 +37,7 @@ CATEGORIES = ("parameters", "gradients", "reducing_gradients", "optimizer_state"
 def predicted(overrides: tuple[str, ...], world: int) -> list[dict]:
     cfg = compose_config([*overrides, "dry_run=true", f"world_size={world}"])
     report = plan(cfg, validate(cfg, planned_world(cfg, LaunchEnv.from_torchrun())))
-    return [{**stage["snapshot_peak"], "ranks": stage["ranks"]} for stage in report["memory"]["per_rank"]]
+    return [{**stage["snapshot"], "ranks": stage["ranks"]} for stage in report["memory"]["per_stage"]]
 
 
 @pytest.mark.parametrize("name", LAUNCHES)

@@ -94,7 +94,7 @@ def test_the_loss_scratch_is_on_the_head_stage_peak_only():
     seq = 1024
     cfg = compose_config(["model=small", f"seq_len={seq}", "compute_dtype=fp32", "pipeline_parallel_size=2",
                           "batch_size=4", "dry_run=true", "world_size=2", "model.vocab_size=65536"])
-    stages = plan(cfg, validate(cfg, 2))["memory"]["per_rank"]
+    stages = plan(cfg, validate(cfg, 2))["memory"]["per_stage"]
     traced = sequence_activations(ActivationKey(cfg.model, 1, 1, False, "all_gather", seq, torch.float32))
     assert stages[0]["categories"]["loss_buffers"] == 0
     assert stages[1]["categories"]["loss_buffers"] in (traced.loss_forward, traced.loss_backward)
@@ -191,5 +191,5 @@ def test_a_bf16_reduction_in_flight_is_planned_at_its_bf16_bytes():
     for dtype in ("fp32", "bf16"):
         cfg = compose_config(["model=small", f"seq_len={SEQ}", "compute_dtype=fp32", "batch_size=2", "dry_run=true",
                               "world_size=2", f"reduce_dtype={dtype}", "grad_reduce=per_microbatch"])
-        reducing[dtype] = plan(cfg, validate(cfg, 2))["memory"]["per_rank"][0]["snapshot_peak"]["reducing_gradients"]
+        reducing[dtype] = plan(cfg, validate(cfg, 2))["memory"]["per_stage"][0]["snapshot"]["reducing_gradients"]
     assert reducing["fp32"] > 0 and reducing["bf16"] * 2 == reducing["fp32"]

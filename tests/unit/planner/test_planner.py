@@ -53,10 +53,13 @@ def test_dry_run_of_405b_on_1024_ranks_in_one_process_allocates_nothing():
     assert not allocations.made, allocations.made[:5]
     assert report["parameters"]["total"] == pytest.approx(405.85e9, rel=1e-3)
     assert report["parameters"]["embedding"] == 128256 * 16384
-    stages = report["memory"]["per_rank"]
+    stages = report["memory"]["per_stage"]
     assert [s["ranks"] for s in stages] == [[128 * r, 128 * r + 127] for r in range(8)]
+    # One predicted peak per global rank: rank r is on stage r // 128.
+    by_rank = report["memory"]["peak_bytes_per_rank"]
+    assert len(by_rank) == 1024 and by_rank == [stages[r // 128]["peak_bytes"] for r in range(1024)]
     # TP-local parameters: the 15-layer ends hold the embedding or the head, the 16-layer stages none.
-    per_rank = [s["parameters"] for s in report["parameters"]["per_rank"]]
+    per_rank = [s["parameters"] for s in report["parameters"]["per_stage"]]
     assert sum(per_rank) * 8 == pytest.approx(report["parameters"]["total"], rel=1e-4)
     assert report["memory"]["peak_bytes"] == max(s["peak_bytes"] for s in stages)
     assert 0 < report["pipeline"]["bubble_fraction"] < 0.05  # 256 microbatches over 8 stages

@@ -76,7 +76,7 @@ def test_the_default_budget_keeps_a_reserve(capsys):
     assert not fsdp_only(9216, h100.budget_bytes)
     fitting = fsdp_only(8192, h100.budget_bytes)
     assert fitting
-    stage = plan(fitting[0].cfg, fitting[0].dims)["memory"]["per_rank"][0]
+    stage = plan(fitting[0].cfg, fitting[0].dims)["memory"]["per_stage"][0]
     assert stage["categories"]["loss_buffers"] == pytest.approx(8192 * 128256 * 2, rel=1e-3)
     assert plan_script.main(["model=tiny", "--world", "1", "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("1 x h100, 73.0 GiB each")
