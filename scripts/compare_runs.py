@@ -32,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.image_output import image_problem  # noqa: E402
-from scripts.metrics_file import ABSENT, UnreadableMetrics, is_finite_number, read_metrics, run_folder  # noqa: E402
+from scripts.image_output import image_problem, save_figure  # noqa: E402
+from scripts.metrics_file import (ABSENT, UnreadableMetrics, check_number, is_finite_number,  # noqa: E402
+                                  read_metrics, run_folder)
 
 FIELDS = ("loss", "grad_norm", "eval_loss")
 
@@ -149,6 +150,8 @@ def compare(a: dict[int, dict], b: dict[int, dict], rtol: float,
         cells = []
         for field in fields:
             x, y = a[step].get(field, ABSENT), b[step].get(field, ABSENT)
+            for run, value in (("A", x), ("B", y)):  # two equal strings are not two equal NaNs
+                check_number(value, f"run {run}: step {step} logs {field}")
             if x is ABSENT and y is ABSENT:
                 cells.append(f"{'':>22} {'':>22} {'':>14} {'':>9}")
                 continue
@@ -247,8 +250,7 @@ def plot(a: dict[int, dict], b: dict[int, dict], labels: tuple[str, str], out: s
     bottom.set_ylabel("loss B - A")
     bottom.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def tolerance(text: str) -> float:

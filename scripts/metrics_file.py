@@ -59,6 +59,12 @@ def _restore_nonfinite(record: object) -> None:
             values[unit] = float(kind)
 
 
+def check_number(value: object, what: str) -> None:
+    """A logged value is a number, null (a NaN or Inf not restored) or absent; anything else is damage."""
+    if value is not None and value is not ABSENT and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise UnreadableMetrics(f"{what}={value!r}, not a number")
+
+
 def is_finite_number(x: object) -> bool:
     """A number a float holds: not a bool, not an int too large for one (isfinite's OverflowError)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):

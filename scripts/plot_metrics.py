@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.image_output import image_problem  # noqa: E402
-from scripts.metrics_file import UnreadableMetrics, is_finite_number, read_metrics, run_folder  # noqa: E402
+from scripts.image_output import image_problem, save_figure  # noqa: E402
+from scripts.metrics_file import UnreadableMetrics, check_number, is_finite_number, read_metrics, run_folder  # noqa: E402
 
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mem_peak_gib", "peak memory (GiB)"), ("lr", "learning rate"))
 Curves = dict[str, tuple[list[int], list[float]]]  # field -> (steps that logged it, values)
@@ -38,8 +38,7 @@ def curves(dump: Path, notes: list[str]) -> Curves:
 
 def _value(value: object, what: str) -> float:
     """A logged value to draw: nan (a gap) for a non-finite one (logged as null) or one past a float's range."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise UnreadableMetrics(f"{what}={value!r}, not a number")
+    check_number(value, what)
     try:
         return float(value) if is_finite_number(value) else math.nan
     except OverflowError:  # an integer too large for a float
@@ -66,8 +65,7 @@ def plot(dumps: list[Path], out: str, notes: list[str]) -> None:
     for ax in axes[1]:
         ax.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

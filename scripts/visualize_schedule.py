@@ -13,6 +13,7 @@ a makespan of at most 2048 (in the costs' unit, 0.35 in of picture each).
 """
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from parallel.errors import ConfigError  # noqa: E402
 from parallel.pipeline.schedule import (  # noqa: E402
     BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions, v_shaped,
 )
-from parallel.pipeline.simulate import CostFn, Timeline, draw_timeline, simulate, uniform_costs  # noqa: E402
-from scripts.image_output import file_problem, image_problem  # noqa: E402
+from parallel.pipeline.simulate import CostFn, Timeline, simulate, timeline_figure, uniform_costs  # noqa: E402
+from scripts.image_output import file_problem, image_problem, save_figure, write_atomically  # noqa: E402
 
 DEFAULTS = {"pp": "4", "vpp": "1", "microbatches": "8", "schedule": "1f1b", "forward": "1", "backward": "2", "p2p": "0",
             "weight": "", "sends": "block", "actions": ""}
@@ -103,6 +104,15 @@ def check_outputs(out: str, actions: str) -> None:
         raise ConfigError(f"actions={actions}: {problem}")
     if actions and Path(actions).resolve() == Path(out).resolve():
         raise ConfigError(f"actions={actions}: is the output image too; name another file")
+    if actions and Path(actions).is_file() and not _is_action_list(Path(actions)):
+        raise ConfigError(f"actions={actions}: exists and is not an action list this script wrote: name a new file")
+
+
+def _is_action_list(path: Path) -> bool:
+    """A file this script wrote (its first line an action, as `r0 F c0 m0`), which it may replace; or empty."""
+    with path.open("rb") as f:
+        first = f.readline(200)
+    return not first or re.fullmatch(rb"r\d+ [A-Z_]+ c\d+ m\d+( (->|<-) r\d+)?\n", first) is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     title = f"{effective_schedule(options['schedule'], vpp)}  pp={pp} vpp={vpp} microbatches={m}"
     try:
-        draw_timeline(timeline, out, title)
+        save_figure(timeline_figure(timeline, title), out)
         if options["actions"]:
-            Path(options["actions"]).write_text("".join(f"{a}\n" for program in programs for a in program))
+            listed = "".join(f"{a}\n" for program in programs for a in program)
+            write_atomically(options["actions"], lambda partial: Path(partial).write_text(listed))
     except (OSError, ValueError) as e:  # what the checks cannot foresee, such as a full disk
         print(f"error: writing the outputs: {e}", file=sys.stderr)
         return 2

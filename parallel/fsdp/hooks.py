@@ -40,12 +40,14 @@ if TYPE_CHECKING:
 
 
 class BackwardTicket:
-    """One forward with grad of a unit, whose backward is to end exactly once."""
+    """One forward with grad of a unit, whose backward is to end exactly once, at the weights that
+    forward saw (`version`: the shard's version counter then)."""
 
-    __slots__ = ("queued", "done")
+    __slots__ = ("queued", "done", "version")
 
-    def __init__(self) -> None:
+    def __init__(self, version: int) -> None:
         self.queued = self.done = False
+        self.version = version
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -92,7 +94,7 @@ def pre_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple) 
     if torch.is_grad_enabled():
         # Before the views: autograd runs the later-created of two ready nodes first, so the views'
         # backward (and the gradient's arrival) comes before the end of the unit's.
-        unit.ticket = BackwardTicket()
+        unit.ticket = BackwardTicket(unit.flat_param._version)
         routed = _route_inputs(args, partial(end_of_backward, unit, root, unit.ticket))
     unit.install_views()
     root.prefetch_next(unit)
@@ -130,6 +132,11 @@ def post_forward(unit: FSDPUnit, root: FSDPRoot, module: nn.Module, args: tuple,
 
 def pre_backward(unit: FSDPUnit, root: FSDPRoot, ticket: BackwardTicket, grad: torch.Tensor) -> None:
     comm.set_where("unit", f"backward of {unit.name}")
+    if unit.flat_param._version != ticket.version:
+        # Autograd's own check cannot see it: the gathered weights do not share the shard's version
+        # counter, and the backward would re-gather the changed shard and mix it with the old activations.
+        raise RuntimeError(f"FSDP unit {unit.name}: its parameters changed in place between a forward and its "
+                           "backward (an optimizer step or a checkpoint load inside a step)")
     unit.unshard()
     root.prefetch_previous(unit)
     if not ticket.queued:

@@ -187,8 +187,8 @@ def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_bloc
     return _Simulation(programs, pp, vpp, cost or uniform_costs(), sends_block, receives_ahead, v_shape).run()
 
 
-def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
-    """One row per rank, one colour per microbatch; forwards light, backwards dark, weight gradients (W)
+def timeline_figure(timeline: Timeline, title: str = ""):
+    """A matplotlib figure of the timeline (the caller saves and closes it): one row per rank, one colour per microbatch; forwards light, backwards dark, weight gradients (W)
     between and hatched, chunks labelled."""
     import matplotlib
 
@@ -216,5 +216,4 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
     ax.set_xlabel("time (forward = 1)")
     ax.set_title(f"{title}  bubble {timeline.bubble_fraction:.1%}".strip())
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -1,7 +1,7 @@
 """What a flat parameter cannot represent is refused when the model is sharded, never trained wrongly:
 a frozen parameter inside a unit (the flat parameter would train it), a weight tied across two units
 (each would get its own copy, trained apart), and a unit with nothing to shard; nor does a unit left
-unsharded compute with weights older than its shard."""
+unsharded compute with weights older than its shard, nor a backward with weights newer than its forward's."""
 
 import pytest
 import torch
@@ -76,6 +76,22 @@ def test_a_unit_left_unsharded_regathers_after_the_optimizers_step(world, fused)
         after = model(x)
         root.reshard()
         assert torch.equal(after, model(x))
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_changed_between_a_forward_and_its_backward_are_refused(world, reshard_after_forward, dtype):
+    """Plain autograd refuses a backward through weights changed in place since the forward; a unit's
+    gathered weights do not share the shard's version counter, so its backward re-gathered the changed
+    shard and mixed it with the old activations, silently."""
+    model = TwoLinears()
+    root = fully_shard(model, ["a", "b"], world, None, FSDPConfig(compute_dtype=dtype,
+                                                                  reshard_after_forward=reshard_after_forward))
+    loss = model.b(model.a(torch.ones(2, 4, dtype=dtype))).sum()
+    with torch.no_grad():
+        root.units[1].flat_param.add_(0.5)
+    with pytest.raises(RuntimeError, match=r"^FSDP unit b: its parameters changed in place between a forward "):
+        loss.backward()
 
 
 @pytest.mark.parametrize("grad_reduce", ["last_microbatch", "per_microbatch"])

@@ -348,11 +348,26 @@ def test_a_plot_it_would_not_write_as_named_is_refused_before_any_output(tmp_pat
 
 
 def test_a_value_too_large_for_a_float_differs_instead_of_crashing(tmp_path, capsys):
-    """A hand-edited or foreign file's huge integer (isfinite raised OverflowError) or a bool (an int to
-    Python) is a value that is not a number: it differs from a number, and equals itself."""
-    a = _write(tmp_path / "a", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": True}, {"step": 3, "loss": 6.0}])
-    b = _write(tmp_path / "b", [{"step": 1, "loss": 6.9}, {"step": 2, "loss": 1}, {"step": 3, "loss": 6.0}])
+    """A hand-edited or foreign file's huge integer (isfinite raised OverflowError) is a value past a
+    float's range: it differs from a number, and equals itself."""
+    a = _write(tmp_path / "a", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": 6.0}])
+    b = _write(tmp_path / "b", [{"step": 1, "loss": 6.9}, {"step": 2, "loss": 6.0}])
     assert compare_runs.main([str(a), str(b), "--fields", "loss"]) == 1
     assert "differ" in capsys.readouterr().out
-    same = _write(tmp_path / "same", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": True}, {"step": 3, "loss": 6.0}])
+    same = _write(tmp_path / "same", [{"step": 1, "loss": 10**400}, {"step": 2, "loss": 6.0}])
     assert compare_runs.main([str(a), str(same), "--fields", "loss"]) == 0
+
+
+def test_a_value_that_is_not_a_number_is_unreadable_not_a_match(tmp_path, capsys):
+    """The same string in both runs read as 'non-finite in both' and the runs as bitwise equal."""
+    runs = [_write(tmp_path / name, [{"step": 1, "loss": 6.9, "grad_norm": 1.0},
+                                     {"step": 2, "loss": "abc", "grad_norm": 0.5}]) for name in "ab"]
+    assert compare_runs.main([*map(str, runs), "--brief"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "error: run A: step 2 logs loss='abc', not a number" and "equal" not in captured.out
+    # A bool is an int to Python, but no logged value: unreadable as well.
+    clean, flagged = (_write(tmp_path / name, [{"step": 1, "loss": 6.9, "grad_norm": 1.0},
+                                               {"step": 2, "loss": 6.0, "grad_norm": norm}])
+                      for name, norm in (("clean", 1), ("flagged", True)))
+    assert compare_runs.main([str(clean), str(flagged), "--brief"]) == 2
+    assert "run B: step 2 logs grad_norm=True, not a number" in capsys.readouterr().err

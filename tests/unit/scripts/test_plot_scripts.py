@@ -61,6 +61,35 @@ def test_visualize_schedule_writes_the_picture_and_the_actions(tmp_path, capsys)
     assert visualize_schedule.main(["pp=2", "microbatches=2", "weight=0", f"actions={actions}", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG and "r1 F c0 m0" in actions.read_text().splitlines()
     assert "makespan 9," in capsys.readouterr().out
+    # Run again: its own action list is replaced; a file it did not write (a run's metrics) is refused, kept.
+    assert visualize_schedule.main(["pp=4", "microbatches=4", f"actions={actions}", str(out)]) == 0
+    assert "r3 F c0 m3" in actions.read_text().splitlines()
+    capsys.readouterr()
+    metrics = _dump(tmp_path / "run", [6.9, 6.1]) / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    _one_error_line(capsys, visualize_schedule.main(["pp=2", f"actions={metrics}", str(out)]),
+                    f"actions={metrics}: exists and is not an action list this script wrote")
+    assert metrics.read_bytes() == kept
+
+
+def test_an_interrupted_write_leaves_the_earlier_image_whole(tmp_path, monkeypatch):
+    """Outputs are written beside their name and renamed: a write cut short (Ctrl-C, a full disk) left a
+    truncated file under the name asked for."""
+    import matplotlib.figure
+
+    out = tmp_path / "s.png"
+    assert visualize_schedule.main(["pp=2", "microbatches=2", str(out)]) == 0
+    before = out.read_bytes()
+
+    def cut_short(fig, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(PNG)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        visualize_schedule.main(["pp=4", "microbatches=4", str(out)])
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["s.png"]
 
 
 def test_plot_metrics_refuses_an_output_it_would_not_write_as_named(tmp_path, capsys):
