@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 WARNING_S = 120  # the warning signal's lead on the time limit
 MAX_TIME_LIMITS = 10_000  # requeues after a time limit before submitit gives the job up
 
-from scripts.launch_command import (check_overrides_here, check_stop_signal, count, dump_dir_of, free_port,  # noqa: E402
+from scripts.launch_command import (check_stop_signal, check_values_here, count, dump_dir_of, free_port,  # noqa: E402
                                     positive_int, ranks_per_node, rendezvous_port, torchrun_args)
 
 
@@ -135,8 +135,19 @@ def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int,
     return executor
 
 
+# What only a scheduler reads: with --local (one node, here, waited for) each would be dropped without a word.
+SCHEDULER_FLAGS = ("--nodes", "--partition", "--cpus-per-task", "--time", "--warning-s", "--wait", "--logs")
+
+
+def refuse_scheduler_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    given = [flag for flag in SCHEDULER_FLAGS if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
+    if given:
+        parser.error(f"{given[0]} does not combine with --local (it runs one node here, without a scheduler)")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # refuse_scheduler_flags reads the flags as spelled
     parser.add_argument("--nodes", type=positive_int, default=1)
     parser.add_argument("--gpus-per-node", type=int, choices=range(0, 65), metavar="0..64", default=0)
     parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default: GPUs per node, or 1)")
@@ -152,11 +163,14 @@ def main() -> None:
     parser.add_argument("--logs", default="dump/submitit_logs")
     parser.add_argument("--max-restarts", type=count, default=0, help="torchrun restarts when a worker dies")
     parser.add_argument("overrides", nargs="*")
-    opts = parser.parse_args()
+    argv = sys.argv[1:]
+    opts = parser.parse_args(argv)
     nproc = ranks_per_node(opts.nproc_per_node, opts.gpus_per_node)
-    check_overrides_here(opts.overrides)
-    if not opts.local:
+    if opts.local:
+        refuse_scheduler_flags(parser, argv)
+    else:
         check_stop_signal(opts.overrides, submitit_signal())
+    check_values_here(opts.overrides, (1 if opts.local else opts.nodes) * nproc)
     if opts.local:
         argv = torchrun_args(1, nproc, f"localhost:{free_port()}", f"local-{uuid.uuid4().hex[:8]}", opts.overrides,
                              "dump/local", sys.executable, max_restarts=opts.max_restarts, hosts_rendezvous=True)
@@ -164,7 +178,11 @@ def main() -> None:
         sys.exit(subprocess.run(argv).returncode)
     executor = slurm_executor(REPO / opts.logs, opts.nodes, opts.gpus_per_node, opts.time, opts.partition,
                               opts.cpus_per_task, opts.warning_s)
-    job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable, max_restarts=opts.max_restarts))
+    try:
+        job = executor.submit(TrainOnNode(opts.overrides, nproc, sys.executable, max_restarts=opts.max_restarts))
+    except Exception as e:  # submitit's FailedJobError carries sbatch's own message, often several lines
+        print(f"error: submitting the job: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(1)
     print(f"submitted job {job.job_id}; dump folder {dump_dir_of(opts.overrides, f'dump/submitit-{job.job_id}')}",
           flush=True)
     if opts.wait:

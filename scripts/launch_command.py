@@ -103,6 +103,33 @@ def check_overrides_here(overrides: list[str]) -> None:
     check_overrides(overrides, LaunchEnv.from_torchrun(), hydra_flags=False)
 
 
+def check_values_here(overrides: list[str], world_size: int | None) -> None:
+    """Before torchrun starts (or a job is submitted): a value out of range or a layout the world cannot
+    hold is train.py's one `error:` line, exit 2, not every rank's line and torchrun's traceback. What
+    needs the job's files or devices (data, a Hugging Face folder, model=hf) is left to train.py."""
+    from hydra import compose, initialize_config_dir
+
+    from parallel.errors import ConfigError
+    from trainer.config.cli import resolved
+    from trainer.config.rules import check_launchable
+    from trainer.config.schema import from_dict
+
+    check_overrides_here(overrides)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        raw = compose(config_name="config", overrides=overrides)
+    try:
+        values = resolved(raw)
+    except ConfigError:  # perhaps an interpolation only the job's environment resolves (${oc.env:...})
+        return
+    if (values.get("model") or {}).get("name") == "hf":
+        return
+    try:
+        check_launchable(from_dict(values), world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
     """A `stop_signal=...` override must name the signal the scheduler sends before the time limit: with
     another one (or null) the workers ignore the warning, and the job dies at its limit without a
@@ -110,10 +137,10 @@ def check_stop_signal(overrides: list[str], scheduler_signal: str) -> None:
     given = [o for o in overrides if "=" in o and override_key(o) == "stop_signal"]
     if not given:
         return
-    value = given[-1].split("=", 1)[1].strip("'\"").removeprefix("SIG")
-    if value != scheduler_signal:
-        sys.exit(f"error: {given[-1]}: the scheduler sends SIG{scheduler_signal} before the time limit; leave "
-                 f"stop_signal out (the launcher sets stop_signal={scheduler_signal})")
+    if given[-1].split("=", 1)[1].strip("'\"") != scheduler_signal:  # train.py takes USR1, not SIGUSR1
+        print(f"error: {given[-1]}: the scheduler sends SIG{scheduler_signal} before the time limit: write "
+              f"stop_signal={scheduler_signal}, or leave it out (the launcher sets it)", file=sys.stderr)
+        sys.exit(2)
 
 
 def composed_dump_dir(overrides: list[str]) -> str:
@@ -175,8 +202,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     opts = parser.parse_args()
     hosts = None if opts.hosts_rendezvous is None else opts.hosts_rendezvous == "true"
-    check_overrides_here(opts.overrides)
     check_stop_signal(opts.overrides, DEFAULT_STOP_SIGNAL)
+    world = opts.nnodes * opts.nproc_per_node if isinstance(opts.nproc_per_node, int) else None
+    check_values_here(opts.overrides, world)
     argv = torchrun_args(opts.nnodes, opts.nproc_per_node, opts.rdzv_endpoint, opts.rdzv_id, opts.overrides,
                          opts.dump_dir, opts.python, max_restarts=opts.max_restarts, hosts_rendezvous=hosts)
     print(shlex.join(argv))

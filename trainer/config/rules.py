@@ -71,6 +71,18 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def check_launchable(cfg: TrainConfig, world_size: int | None) -> None:
+    """What a launcher checks before it starts (or submits) a job: values in range and the layout rules
+    that need neither files nor devices, with the layout of `world_size` ranks where it is known."""
+    check_model_config(cfg)
+    _check_parallel_divisibility(cfg)
+    _check_schedule_size(cfg)
+    pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
+    if world_size is not None:
+        ParallelDims.from_sizes(world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size,
+                                cfg.context_parallel_size, cfg.dp_replicate)
+
+
 def check_model_config(cfg: TrainConfig) -> None:
     """The rules a model read back from a checkpoint or a Hugging Face folder must meet to be built
     (generation, export): a damaged or hand-edited config fails here, in one line, not in a constructor."""

@@ -88,6 +88,22 @@ def test_the_node_command_refuses_a_bad_override_without_a_dump_dir_too():
     assert done.returncode == 2 and "--max-restarts: must be at least 0, got -1" in done.stderr, done.stderr
 
 
+def test_the_launchers_refuse_values_and_flags_train_py_would_refuse_before_starting_torchrun():
+    """Values were not checked: torchrun started (or the job queued) and every rank failed, with torchrun's
+    traceback after train.py's line; SIGUSR1 passed the launcher's check and train.py refused it."""
+    node = [sys.executable, "scripts/launch_command.py", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint",
+            "h:1", "--rdzv-id", "1", "--", "model=tiny"]
+    for override, line in (("steps=abc", "error: steps='abc' must be int"),
+                           ("model_parallel_size=3", "error: model.n_heads=4 is not divisible by model_parallel_size=3"),
+                           ("stop_signal=SIGUSR1", "error: stop_signal=SIGUSR1: the scheduler sends SIGUSR1 before the "
+                            "time limit: write stop_signal=USR1, or leave it out (the launcher sets it)")):
+        done = subprocess.run([*node, override], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and not done.stdout and done.stderr == line + "\n", done.stderr
+    done = subprocess.run([sys.executable, "scripts/launch.py", "--local", "--nodes", "2", "model=tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "error: --nodes does not combine with --local" in done.stderr, done.stderr
+
+
 def test_a_slurm_sweep_refuses_a_stop_signal_submitit_does_not_send(tmp_path):
     """As scripts/launch.py: with another stop_signal the workers ignore submitit's SIGUSR2 and a point dies
     at its time limit without a checkpoint or a requeue. Every point is checked before any is submitted."""
