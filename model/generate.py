@@ -23,6 +23,8 @@ class Sampling:
             raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or a positive number")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed={self.seed} must be from 0 to 2**64 - 1")
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -97,6 +97,9 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype, with_tokenizer: bool = Tru
         newest = latest_checkpoint(ckpt / CHECKPOINTS_DIR)
         hint = f"; its newest complete checkpoint is {newest}" if newest else ""
         raise ConfigError(f"{ckpt} is not a checkpoint (a step_N folder under dump_dir/checkpoints){hint}")
+    if out.resolve() == Path.cwd().resolve():  # renamed over, the shell's folder would be a deleted one
+        raise ConfigError(f"{out} is the current folder, which the export cannot replace: name a new or empty "
+                          "folder other than the one you are in")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} is not an empty folder: files left from another model (shards, an index) would "
                           "be read in place of the export; give a new or empty folder")

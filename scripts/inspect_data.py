@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse(argv)
         cfg = compose_config(opts.overrides, opts.dp)
+        if opts.steps > cfg.steps:  # each inspected sequence is held at once: 10**8 grew without bound
+            raise ConfigError(f"--steps={opts.steps} must be at most the run's steps={cfg.steps}: it inspects what "
+                              "the run would train (raise steps with it to look further)")
         # Rank 0 of data-parallel rank 0: it prepares the cache, and the global batch is read whole.
         data = build_data(cfg, 0, opts.dp, 0, print, resumed_checkpoint(cfg), agree=lambda key: None)
         lines = report(cfg, data, opts.steps, opts.show, opts.width)

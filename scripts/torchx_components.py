@@ -39,6 +39,11 @@ def train(*overrides: str, nnodes: int = 1, nproc_per_node: int = 0, rdzv_endpoi
     fixed guess would be too small for one rank per GPU, or for checkpoint.async_save's host copy)."""
     if specs is None:
         raise ImportError("scripts/torchx_components.py needs TorchX: pip install torchx")
+    for name, value, least in (("nnodes", nnodes, 1), ("nproc_per_node", nproc_per_node, 0),
+                               ("gpus_per_node", gpus_per_node, 0), ("mem_gb", mem_gb, 0),
+                               ("max_restarts", max_restarts, 0)):
+        if value < least:  # a negative count reached the scheduler's resource request (memMB=-3072)
+            raise ValueError(f"--{name} {value}: must be at least {least}")
     if rdzv_endpoint is None:
         if nnodes > 1:
             raise ValueError(f"--nnodes {nnodes} needs --rdzv_endpoint HOST:PORT on a host every node reaches "

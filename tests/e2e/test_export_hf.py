@@ -27,9 +27,9 @@ EXPORT = REPO / "scripts" / "export_hf.py"
 MAX_REL_DIFF = 1e-4
 
 
-def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
+def _export(ckpt: Path, out: Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(EXPORT), str(ckpt), str(out)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def _our_model(ckpt: Path) -> Transformer:
@@ -110,8 +110,11 @@ def test_a_bad_checkpoint_or_a_used_output_folder_is_one_error_line(tmp_path: Pa
     for bad, out, fragment in ((tmp_path / "missing", tmp_path / "hf_bad", "is not a checkpoint"),
                                (corrupt, tmp_path / "hf_bad", "sha256"),
                                (ckpt, used, "is not an empty folder"),
-                               (ckpt, ckpt / "hf", f"is inside the checkpoint {ckpt}")):
-        failed = _export(bad, out)
+                               (ckpt, ckpt / "hf", f"is inside the checkpoint {ckpt}"),
+                               # The empty folder one is in: it failed only after the whole export (EBUSY).
+                               (ckpt, Path("."), ". is the current folder, which the export cannot replace")):
+        (tmp_path / "here").mkdir(exist_ok=True)
+        failed = _export(bad, out, cwd=tmp_path / "here")
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), failed.stderr
         assert fragment in lines[0], lines[0]

@@ -188,6 +188,11 @@ def test_torchx_component_runs_the_sbatch_command(tmp_path):
     (role,) = app.roles
     # One command for every node: torch tells the rendezvous host by its name.
     assert [role.entrypoint, *role.args] == [a for a in command if a != "--rdzv_conf=is_host=true"]
+    for bad, message in (({"nnodes": 0}, "--nnodes 0: must be at least 1"),
+                         ({"mem_gb": -3}, "--mem_gb -3: must be at least 0"),
+                         ({"gpus_per_node": -1}, "--gpus_per_node -1: must be at least 0")):
+        with pytest.raises(ValueError, match=message):
+            train(*OVERRIDES, **bad)
     assert role.num_replicas == 2
     assert role.resource.memMB == 0  # the scheduler's default memory, unless asked
     assert train(*OVERRIDES, mem_gb=512).roles[0].resource.memMB == 512 * 1024
