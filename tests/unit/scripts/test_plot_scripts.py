@@ -32,6 +32,7 @@ def _one_error_line(capsys, code: int, *fragments: str) -> None:
     (["actions=nope/a.txt"], ["actions=nope/a.txt: its folder nope does not exist"]),  # checked before the PNG
     (["actions=out.png"], ["actions=out.png: is the output image too"]),
     (["bogus=1"], ["unknown option bogus="]),
+    (["weight=0"], ["weight=0: W's share of the backward, which only zb_h1 and zbv run apart (schedule=1f1b"]),
 ])
 def test_visualize_schedule_refuses_bad_arguments_before_writing(tmp_path, monkeypatch, capsys, args, fragments):
     monkeypatch.chdir(tmp_path)
@@ -58,7 +59,7 @@ def test_visualize_schedule_refuses_an_output_it_would_not_write_as_named(tmp_pa
 
 def test_visualize_schedule_writes_the_picture_and_the_actions(tmp_path, capsys):
     out, actions = tmp_path / "s.png", tmp_path / "a.txt"
-    assert visualize_schedule.main(["pp=2", "microbatches=2", "weight=0", f"actions={actions}", str(out)]) == 0
+    assert visualize_schedule.main(["pp=2", "microbatches=2", f"actions={actions}", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG and "r1 F c0 m0" in actions.read_text().splitlines()
     assert "makespan 9," in capsys.readouterr().out
     # Run again: its own action list is replaced; a file it did not write (a run's metrics) is refused, kept.
@@ -119,3 +120,15 @@ def test_plot_metrics_refuses_a_run_with_nothing_to_draw_or_a_value_that_is_not_
     assert f"note: {sparse}/metrics.jsonl logs no tokens_per_s, mem_peak_gib:" in capsys.readouterr().err
     assert out.read_bytes()[:8] == PNG
 
+
+
+@pytest.mark.parametrize("args, analytic", [
+    (["pp=4", "microbatches=8"], "(analytic 27.3%)"),
+    (["pp=4", "microbatches=8", "p2p=1"], "(analytic -)"),  # every formula takes free p2p
+    (["pp=4", "vpp=2", "microbatches=3"], "(analytic -)"),  # interleaved: m a multiple of pp
+    (["pp=4", "schedule=zb_h1", "microbatches=2"], "(analytic -)"),  # zb_h1: from pp microbatches
+    (["pp=4", "schedule=zb_h1", "microbatches=4"], "(analytic 20.0%)"),
+])
+def test_the_analytic_bubble_is_printed_only_where_its_formula_holds(tmp_path, capsys, args, analytic):
+    assert visualize_schedule.main([*args, str(tmp_path / "s.png")]) == 0
+    assert analytic in capsys.readouterr().out
