@@ -23,8 +23,8 @@ class Sampling:
             raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or a positive number")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
-            raise ValueError(f"seed={self.seed} must be from 0 to 2**64 - 1")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed={self.seed} must be from -2**63 to 2**64 - 1")
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -34,7 +34,7 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1:
         return probs
     ordered, order = probs.sort(descending=True)
-    mass_before = ordered.cumsum(0) - ordered
+    mass_before = ordered.double().cumsum(0) - ordered.double()  # fp32's sum over 128k ids moved the cut
     ordered = ordered.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(probs).scatter(0, order, ordered)
 

@@ -33,7 +33,7 @@ def image_problem(path: str) -> str | None:
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """`write(partial)` to a file beside `path` (same extension, so matplotlib picks the same format), then
     renamed over it: a Ctrl-C or a full disk mid-write leaves an earlier file of that name as it was."""
-    target = Path(path)
+    target = Path(os.path.realpath(path))  # through a symlink (latest.png -> runs/x.png): its file is replaced
     partial = target.with_name(f".{target.stem}.partial-{os.getpid()}{target.suffix}")
     try:
         write(str(partial))

@@ -135,19 +135,20 @@ def slurm_executor(logs: Path, nodes: int, gpus_per_node: int, timeout_min: int,
     return executor
 
 
-# What only a scheduler reads: with --local (one node, here, waited for) each would be dropped without a word.
-SCHEDULER_FLAGS = ("--nodes", "--partition", "--cpus-per-task", "--time", "--warning-s", "--wait", "--logs")
-
-
-def refuse_scheduler_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    given = [flag for flag in SCHEDULER_FLAGS if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
+def refuse_scheduler_flags(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
+    """Flags only a scheduler reads, set to anything but what --local does (one node, here, waited for):
+    each would be dropped without a word."""
+    given = [flag for flag, value in (("--nodes", opts.nodes != 1), ("--partition", opts.partition is not None),
+                                      ("--cpus-per-task", opts.cpus_per_task is not None),
+                                      ("--time", opts.time != parser.get_default("time")),
+                                      ("--warning-s", opts.warning_s != WARNING_S),
+                                      ("--logs", opts.logs != parser.get_default("logs"))) if value]
     if given:
         parser.error(f"{given[0]} does not combine with --local (it runs one node here, without a scheduler)")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)  # refuse_scheduler_flags reads the flags as spelled
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=positive_int, default=1)
     parser.add_argument("--gpus-per-node", type=int, choices=range(0, 65), metavar="0..64", default=0)
     parser.add_argument("--nproc-per-node", type=positive_int, help="ranks per node (default: GPUs per node, or 1)")
@@ -163,11 +164,10 @@ def main() -> None:
     parser.add_argument("--logs", default="dump/submitit_logs")
     parser.add_argument("--max-restarts", type=count, default=0, help="torchrun restarts when a worker dies")
     parser.add_argument("overrides", nargs="*")
-    argv = sys.argv[1:]
-    opts = parser.parse_args(argv)
+    opts = parser.parse_args()
     nproc = ranks_per_node(opts.nproc_per_node, opts.gpus_per_node)
     if opts.local:
-        refuse_scheduler_flags(parser, argv)
+        refuse_scheduler_flags(parser, opts)
     else:
         check_stop_signal(opts.overrides, submitit_signal())
     check_values_here(opts.overrides, (1 if opts.local else opts.nodes) * nproc)

@@ -106,7 +106,11 @@ def check_overrides_here(overrides: list[str]) -> None:
 def check_values_here(overrides: list[str], world_size: int | None) -> None:
     """Before torchrun starts (or a job is submitted): a value out of range or a layout the world cannot
     hold is train.py's one `error:` line, exit 2, not every rank's line and torchrun's traceback. What
-    needs the job's files or devices (data, a Hugging Face folder, model=hf) is left to train.py."""
+    needs the job's files or devices (data, a Hugging Face folder, model=hf) is left to train.py. It
+    imports torch (a few seconds, once per job), unlike the key check the launchers run before."""
+    check_overrides_here(overrides)
+    if any(o.lstrip("+").startswith("hydra.mode=") for o in overrides):  # a sweep: train.py says what it says
+        return
     from hydra import compose, initialize_config_dir
 
     from parallel.errors import ConfigError
@@ -114,7 +118,6 @@ def check_values_here(overrides: list[str], world_size: int | None) -> None:
     from trainer.config.rules import check_launchable
     from trainer.config.schema import from_dict
 
-    check_overrides_here(overrides)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="config", overrides=overrides)
     try:

@@ -52,18 +52,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--device", default="h100", help="profile in conf/device/ (default h100)")
     parser.add_argument("--mem-gib", type=positive(float),
                         help="memory budget per device, GiB (default: the profile's memory less a reserve)")
-    parser.add_argument("--top", type=positive(int), help="rows to show (default 5)")
+    parser.add_argument("--top", type=positive(int), default=5, help="rows to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--global-batch", type=positive(int), help="sequences per optimizer step, kept across layouts")
     parser.add_argument("--as-given", action="store_true", help="predict the overrides' own layout only")
-    args, overrides = parser.parse_known_args(argv)
-    if args.as_given:
-        # The given layout's own batch_size sets its global batch; ranking nothing, it shows one row.
-        for flag, value in (("--global-batch", args.global_batch), ("--top", args.top)):
-            if value is not None:
-                parser.error(f"{flag} does not combine with --as-given (set batch_size in the overrides instead)"
-                             if flag == "--global-batch" else f"{flag} does not combine with --as-given (one row)")
-    return args, overrides
+    return parser.parse_known_args(argv)
 
 
 def launch_overrides(given: list[str], c: Candidate) -> list[str]:
@@ -85,6 +78,8 @@ def main(argv: list[str]) -> int:
         device = load_device(args.device)
         if args.gpus_per_node is not None:
             device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+        if args.as_given and args.global_batch is not None:  # the given layout's batch_size sets its own
+            raise ConfigError("--global-batch does not combine with --as-given (set batch_size in the overrides)")
         base = compose_config(overrides)
         global_batch = args.global_batch
         if global_batch is None:
@@ -93,7 +88,7 @@ def main(argv: list[str]) -> int:
             global_batch = base.batch_size * dims.dp
         budget = args.mem_gib * GIB if args.mem_gib is not None else device.budget_bytes
         found = ([given_layout(base, args.world, device)] if args.as_given
-                 else plan_layouts(base, args.world, global_batch, device, int(budget), args.top or 5))
+                 else plan_layouts(base, args.world, global_batch, device, int(budget), args.top))
         rows = [row(overrides, c) for c in found]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

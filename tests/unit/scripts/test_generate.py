@@ -155,7 +155,7 @@ def test_a_bad_path_or_option_is_one_error_line(tmp_path: Path, capsys) -> None:
              ([str(run)], f"its newest complete checkpoint is {run / 'checkpoints' / 'step_2'}"),
              ([str(run), "--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
              ([str(run), "--temperature", "-1"], "temperature=-1.0 must be"),
-             ([str(run), "--seed", str(2**64)], f"seed={2**64} must be from 0 to 2**64 - 1")]
+             ([str(run), "--seed", str(2**64)], f"seed={2**64} must be from -2**63 to 2**64 - 1")]
     for argv, fragment in cases:
         assert main([*argv, "--prompt", "x"]) == 2
         out, err = capsys.readouterr()
