@@ -39,6 +39,7 @@ from trainer.data.tokenizer import Tokenizer  # noqa: E402
 BOS_MARK, EOS_MARK, NEWLINE_MARK, CLIPPED_MARK = "⟨bos⟩", "⟨eos⟩", "↵", "…"
 BOS_OR_EOS_MARK = "⟨bos/eos⟩"  # where they are one token
 DEFAULT_WIDTH = 240
+MAX_SEQUENCES = 10**6  # inspected sequences, all held at once: about a GB of Python objects at most
 
 
 @dataclass
@@ -177,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse(argv)
         cfg = compose_config(opts.overrides, opts.dp)
-        if opts.steps > cfg.steps:  # each inspected sequence is held at once: 10**8 grew without bound
-            raise ConfigError(f"--steps={opts.steps} must be at most the run's steps={cfg.steps}: it inspects what "
-                              "the run would train (raise steps with it to look further)")
+        global_batch = cfg.batch_size * opts.dp
+        if opts.steps * global_batch > MAX_SEQUENCES:  # 10**8 steps grew memory without end
+            raise ConfigError(f"--steps={opts.steps} x {global_batch} sequences per step is more than the "
+                              f"{MAX_SEQUENCES:,} sequences inspect_data holds at once")
         # Rank 0 of data-parallel rank 0: it prepares the cache, and the global batch is read whole.
         data = build_data(cfg, 0, opts.dp, 0, print, resumed_checkpoint(cfg), agree=lambda key: None)
         lines = report(cfg, data, opts.steps, opts.show, opts.width)
