@@ -118,11 +118,15 @@ def check_values_here(overrides: list[str], world_size: int | None) -> None:
     from trainer.config.rules import check_launchable
     from trainer.config.schema import from_dict
 
+    from omegaconf import OmegaConf
+
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="config", overrides=overrides)
+    if "${oc.env:" in OmegaConf.to_yaml(raw):  # the job's environment gives those values, not this host's
+        return
     try:
         values = resolved(raw)
-    except ConfigError:  # perhaps an interpolation only the job's environment resolves (${oc.env:...})
+    except ConfigError:  # a broken interpolation: train.py names it
         return
     if (values.get("model") or {}).get("name") == "hf":
         return

@@ -102,6 +102,10 @@ def test_the_launchers_refuse_values_and_flags_train_py_would_refuse_before_star
     done = subprocess.run([sys.executable, "scripts/launch.py", "--local", "--nodes", "2", "model=tiny"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "error: --nodes does not combine with --local" in done.stderr, done.stderr
+    # A value from the job's environment is the job's to check: here TP is unset and 3 would be refused.
+    done = subprocess.run([*node, "model_parallel_size=${oc.env:TP,3}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != "TP"})
+    assert done.returncode == 0 and "train.py" in done.stdout, done.stderr
     # A sweep is left to train.py (the check composed it and ended in hydra's traceback).
     done = subprocess.run([*node, "hydra.mode=MULTIRUN", "optim.lr=1e-3,1e-2"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
