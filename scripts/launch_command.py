@@ -112,13 +112,12 @@ def check_values_here(overrides: list[str], world_size: int | None) -> None:
     if any(o.lstrip("+").startswith("hydra.mode=") for o in overrides):  # a sweep: train.py says what it says
         return
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from parallel.errors import ConfigError
     from trainer.config.cli import resolved
     from trainer.config.rules import check_launchable
     from trainer.config.schema import from_dict
-
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="config", overrides=overrides)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.errors import ConfigError  # noqa: E402
 from parallel.pipeline.schedule import (  # noqa: E402
-    BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions, v_shaped,
+    BACKWARD, FORWARD, WEIGHT, Action, effective_schedule, pipeline_actions, splits_backward, v_shaped,
 )
 from parallel.pipeline.simulate import CostFn, Timeline, simulate, timeline_figure, uniform_costs  # noqa: E402
 from scripts.image_output import file_problem, image_problem, save_figure, write_atomically  # noqa: E402
@@ -87,7 +87,7 @@ def costs_of(options: dict[str, str]) -> CostFn:
     """The per-action costs, each checked; W's no more than the whole backward."""
     forward, backward = cost(options, "forward", zero_allowed=False), cost(options, "backward", zero_allowed=False)
     p2p = cost(options, "p2p", zero_allowed=True)
-    if options["weight"] and options["schedule"] not in ("zb_h1", "zbv"):
+    if options["weight"] and not splits_backward(options["schedule"]):
         raise ConfigError(f"weight={options['weight']}: W's share of the backward, which only zb_h1 and zbv run apart "
                           f"(schedule={options['schedule']} runs each backward whole)")
     weight = cost(options, "weight", zero_allowed=True) if options["weight"] else None
@@ -171,7 +171,7 @@ def analytic_bubble(schedule: str, pp: int, vpp: int, m: int, costs) -> float | 
     order meets where it can): (pp - 1) / (vpp m + pp - 1); for zb_h1 the paper's (pp - 1) / (3m + pp - 1),
     from pp microbatches, and for zbv, from 2pp - 1 microbatches, (pp - 1) / (6m + pp - 1) (half a stage
     per chunk): both with F, B and W costing the same. None where no formula applies."""
-    if schedule not in ("zb_h1", "zbv"):
+    if not splits_backward(schedule):
         return (pp - 1) / (vpp * m + pp - 1)
     if len({costs(Action(0, op, 0, 0)) for op in (FORWARD, BACKWARD, WEIGHT)}) > 1:
         return None

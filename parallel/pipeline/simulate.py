@@ -188,8 +188,9 @@ def simulate(programs, pp: int, vpp: int, cost: CostFn | None = None, sends_bloc
 
 
 def timeline_figure(timeline: Timeline, title: str = ""):
-    """A matplotlib figure of the timeline (the caller saves and closes it): one row per rank, one colour per microbatch; forwards light, backwards dark, weight gradients (W)
-    between and hatched, chunks labelled."""
+    """A matplotlib figure of the timeline (the caller saves and closes it): one row per rank, one colour
+    per microbatch; forwards light, backwards dark, weight gradients (W) between and hatched, chunks
+    labelled."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -52,12 +52,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _check_fp8(cfg)
     _check_keys_with_effect(cfg)
     check_wandb_installed(cfg)
-    _check_schedule_size(cfg)
-    # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
-    pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
-    dims = ParallelDims.from_sizes(
-        world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size, cfg.dp_replicate
-    )
+    dims = _check_layout(cfg, world_size)
     _check_supported(cfg)
     if cfg.checkpoint.init_from_hf:
         resumed = resumed_checkpoint(cfg)
@@ -76,11 +71,19 @@ def check_launchable(cfg: TrainConfig, world_size: int | None) -> None:
     that need neither files nor devices, with the layout of `world_size` ranks where it is known."""
     check_model_config(cfg)
     _check_parallel_divisibility(cfg)
+    _check_layout(cfg, world_size)
+
+
+def _check_layout(cfg: TrainConfig, world_size: int | None) -> ParallelDims | None:
+    """The pipeline program and the parallel layout of `world_size` ranks (None: not known, not checked)."""
     _check_schedule_size(cfg)
-    pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages, cfg.num_microbatches)
-    if world_size is not None:
-        ParallelDims.from_sizes(world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size,
-                                cfg.context_parallel_size, cfg.dp_replicate)
+    # Builds (and caches) the schedule: a layout or microbatch count it cannot run fails here.
+    pipeline_actions(cfg.pipeline_schedule, cfg.pipeline_parallel_size, cfg.virtual_pipeline_stages,
+                     cfg.num_microbatches)
+    if world_size is None:
+        return None
+    return ParallelDims.from_sizes(world_size, cfg.model_parallel_size, cfg.pipeline_parallel_size,
+                                   cfg.context_parallel_size, cfg.dp_replicate)
 
 
 def check_model_config(cfg: TrainConfig) -> None:
